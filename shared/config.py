@@ -1,0 +1,74 @@
+"""Settings from ``SLUICE_*`` environment variables, read once by each process entry point.
+
+Nothing here reads the environment at import time; call ``Settings.from_env()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+import msgspec
+
+__all__ = ["Settings"]
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Every tunable of the API and the worker, with its environment variable in the comment."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"  # SLUICE_REDIS_URL
+    host: str = "127.0.0.1"  # SLUICE_HOST
+    port: int = 8000  # SLUICE_PORT
+    api_keys: list[str] = []  # SLUICE_API_KEYS (comma-separated); empty = auth off
+    api_keys_file: str | None = None  # SLUICE_API_KEYS_FILE (one key per line)
+    model: str = "smollm2"  # SLUICE_MODEL: what `sluice worker` serves by default
+    model_name: str | None = None  # SLUICE_MODEL_NAME: the public id (default: derived)
+    retention_s: int = 86_400  # SLUICE_RETENTION_S: TTL of event streams and request hashes
+    stream_maxlen: int = 100_000  # SLUICE_STREAM_MAXLEN: cap on entries per event stream
+    queue_max: int = 1024  # SLUICE_QUEUE_MAX: queued jobs per model before 429
+    job_expires_s: int = 120  # SLUICE_JOB_EXPIRES_S: a job not started by then is dropped
+    poll_delay_s: float = 0.01  # SLUICE_POLL_DELAY_S: arq poll interval (pickup latency)
+    max_batch: int = 16  # SLUICE_MAX_BATCH: concurrent sequences per worker
+    lease_ttl_s: float = 5.0  # SLUICE_LEASE_TTL_S: a worker silent this long is presumed dead
+    heartbeat_s: float = 1.0  # SLUICE_HEARTBEAT_S: lease/heartbeat refresh period
+    max_attempts: int = 3  # SLUICE_MAX_ATTEMPTS: worker deaths tolerated per request
+    keepalive_s: float = 10.0  # SLUICE_KEEPALIVE_S: SSE comment when nothing else was sent
+    start_timeout_s: float = 600.0  # SLUICE_START_TIMEOUT_S: give up if no worker starts it
+    max_body_bytes: int = 8 * 1024 * 1024  # SLUICE_MAX_BODY_BYTES: larger requests get 413
+    reasoning_when_hidden: bool = False  # SLUICE_REASONING_WHEN_HIDDEN: think if unseen?
+    chat_reasoning_field: Literal["reasoning_content", "reasoning", "both"] = (
+        "reasoning_content"  # SLUICE_CHAT_REASONING_FIELD
+    )
+    device: str = "auto"  # SLUICE_DEVICE: auto | cpu | cuda
+    dtype: str = "auto"  # SLUICE_DTYPE: auto | float32 | bfloat16 | float16
+    threads: int = 0  # SLUICE_THREADS: torch CPU threads (0 = torch default)
+    log_level: str = "info"  # SLUICE_LOG_LEVEL
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Build settings from ``SLUICE_*`` variables, then apply explicit overrides.
+
+        Raises:
+            msgspec.ValidationError: a variable does not parse as its field's type.
+        """
+        env = os.environ if env is None else env
+        raw: dict[str, object] = {}
+        for field in msgspec.structs.fields(cls):
+            value = env.get(f"SLUICE_{field.name.upper()}")
+            if value is None:
+                continue
+            if field.name == "api_keys":
+                raw[field.name] = [k.strip() for k in value.split(",") if k.strip()]
+            else:
+                raw[field.name] = value
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        return msgspec.convert(raw, cls, strict=False)
+
+    def all_api_keys(self) -> set[str]:
+        """Keys from the variable and the keys file together (file read on each call)."""
+        keys = set(self.api_keys)
+        if self.api_keys_file:
+            with open(self.api_keys_file, encoding="utf-8") as fh:
+                keys |= {line.strip() for line in fh if line.strip() and not line.startswith("#")}
+        return keys

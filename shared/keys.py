@@ -1,0 +1,82 @@
+"""Every Redis key sluice uses, spelled in one place.
+
+Per-request keys put the request id in a hash tag (``{rid}``), so one request's keys land in the
+same Redis Cluster slot and can be touched in one pipeline or script.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PREFIX",
+    "cancel",
+    "events",
+    "inflight",
+    "lease",
+    "model_card",
+    "models",
+    "queue",
+    "request",
+    "response",
+    "worker",
+    "workers",
+]
+
+PREFIX = "sluice"
+
+
+def events(rid: str) -> str:
+    """The request's event log (a stream)."""
+    return f"{PREFIX}:events:{{{rid}}}"
+
+
+def request(rid: str) -> str:
+    """The request hash: owner, model, created, origin, job payload."""
+    return f"{PREFIX}:request:{{{rid}}}"
+
+
+def cancel(rid: str) -> str:
+    """Cancel flag the worker checks between decode steps."""
+    return f"{PREFIX}:cancel:{{{rid}}}"
+
+
+def lease(rid: str) -> str:
+    """"I am generating this": holds the worker id, short TTL, refreshed while generating."""
+    return f"{PREFIX}:lease:{{{rid}}}"
+
+
+def response(rid: str) -> str:
+    """A stored Responses-API response object (JSON), for GET and previous_response_id."""
+    return f"{PREFIX}:response:{{{rid}}}"
+
+
+def worker(wid: str) -> str:
+    """A worker's heartbeat hash (TTL)."""
+    return f"{PREFIX}:worker:{wid}"
+
+
+def workers() -> str:
+    """Sorted set of worker ids scored by last heartbeat (ms), for discovery without SCAN."""
+    return f"{PREFIX}:workers"
+
+
+def model_card(model: str) -> str:
+    """The model card a worker publishes for the API (tokenizer, template, limits, markers)."""
+    return f"{PREFIX}:model:{model}"
+
+
+def models() -> str:
+    """Set of model names that have a published card."""
+    return f"{PREFIX}:models"
+
+
+def queue(model: str) -> str:
+    """The arq queue (sorted set) for one model."""
+    return f"{PREFIX}:queue:{model}"
+
+
+def inflight(model: str) -> str:
+    """Sorted set of request ids being generated for a model, scored by enqueue time (ms).
+
+    Workers sweep it to find requests whose lease expired without a terminal event.
+    """
+    return f"{PREFIX}:inflight:{model}"

@@ -1,0 +1,35 @@
+"""Fixtures shared by every test layer.
+
+Integration tests talk to a real Redis: ``SLUICE_TEST_REDIS_URL`` (default database 15 of the
+local server, so a developer's data in database 0 is never flushed), flushed before each test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+TEST_REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The Redis URL integration tests use (a dedicated database)."""
+    return TEST_REDIS_URL
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A real Redis connection on a freshly flushed database."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.ping()
+    except Exception as exc:  # a missing server is a setup error, not a skip
+        pytest.fail(f"no Redis at {redis_url}: {exc}")
+    await client.flushdb()
+    yield client
+    await client.flushdb()
+    await client.aclose()
