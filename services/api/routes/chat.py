@@ -1,0 +1,5 @@
+"""Routes for this wire format (filled in by its issue)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()
