@@ -28,7 +28,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 
 _ENCODER = msgspec.msgpack.Encoder()
-_EVENT_DECODER = msgspec.msgpack.Decoder(AnyEvent)
+_EVENT_DECODER: msgspec.msgpack.Decoder[AnyEvent] = msgspec.msgpack.Decoder(AnyEvent)
 _JOB_DECODER = msgspec.msgpack.Decoder(GenerateRequest)
 
 

@@ -40,7 +40,7 @@ def cancel(rid: str) -> str:
 
 
 def lease(rid: str) -> str:
-    """"I am generating this": holds the worker id, short TTL, refreshed while generating."""
+    """ "I am generating this": holds the worker id, short TTL, refreshed while generating."""
     return f"{PREFIX}:lease:{{{rid}}}"
 
 
