@@ -10,6 +10,7 @@ __all__ = [
     "PREFIX",
     "cancel",
     "events",
+    "hub_wake",
     "inflight",
     "lease",
     "model_card",
@@ -80,3 +81,8 @@ def inflight(model: str) -> str:
     Workers sweep it to find requests whose lease expired without a terminal event.
     """
     return f"{PREFIX}:inflight:{model}"
+
+
+def hub_wake(hub_id: str) -> str:
+    """An API process's private wake stream: an XADD here interrupts its blocked multi-XREAD."""
+    return f"{PREFIX}:hub:{hub_id}"

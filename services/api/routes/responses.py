@@ -1,5 +1,111 @@
-"""Routes for this wire format (filled in by its issue)."""
+"""``/v1/responses``: create (stream or not), retrieve (or re-stream), delete, cancel.
 
-from fastapi import APIRouter
+Thin: authentication already ran as the router's dependency; parsing lives in
+``wire.openai_responses_request``, projection in ``wire.openai_responses``, storage in
+``responses_store``. The response id (``resp_...``) is the request id, so the event log, the
+request hash and the stored response share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import msgspec
+from fastapi import APIRouter, Request, Response
+
+from services.api import responses_store
+from services.api.app import get_state
+from services.api.auth import authenticate
+from services.api.streaming import collect, sse_response, tail
+from services.api.submit import cancel, new_request_id, submit
+from services.api.wire.openai_responses import (
+    ResponsesContext,
+    ResponsesProjector,
+    error_from_event,
+    render,
+)
+from services.api.wire.openai_responses_request import (
+    build_job,
+    input_messages,
+    parse_request,
+    skeleton,
+)
+from shared.accumulate import fold
+from shared.errors import InvalidRequest
+
+__all__ = ["router"]
 
 router = APIRouter()
+
+_CANCEL_WAIT_S = 5.0  # how long POST .../cancel waits for the worker to acknowledge
+
+
+def _json(obj: object, rid: str) -> Response:
+    return Response(
+        msgspec.json.encode(obj), media_type="application/json", headers={"x-request-id": rid}
+    )
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    """Create a response (OpenAI Responses wire format)."""
+    state = get_state(request)
+    owner = await authenticate(request)
+    req = parse_request(await request.body())
+    rid = new_request_id("resp")
+    history = []
+    if req.previous_response_id is not None:
+        history = await responses_store.conversation(state, req.previous_response_id, owner)
+    conversation = input_messages(req, history)
+    job = build_job(req, request_id=rid, conversation=conversation, owner=owner, created=0.0)
+    job = await submit(state, job, owner=owner)
+    echo = skeleton(req, rid, int(job.created))
+    if echo.store:
+        await responses_store.save(state, owner, echo)
+    if req.stream:
+        projector = ResponsesProjector(ResponsesContext(skeleton=echo))
+        return sse_response(state, request, rid, projector, headers={"x-request-id": rid})
+    completion = fold(await collect(state, request, rid))
+    if completion.error is not None and completion.start is None:
+        raise error_from_event(completion.error)  # rejected before generation: an HTTP error
+    return _json(render(completion, echo), rid)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(
+    request: Request, response_id: str, stream: bool = False, starting_after: int = -1
+) -> Response:
+    """Retrieve a stored response, or re-stream its events after ``starting_after``."""
+    state = get_state(request)
+    record = await responses_store.load(state, response_id, await authenticate(request))
+    if stream:
+        ctx = ResponsesContext(skeleton=record.skeleton, starting_after=starting_after)
+        projector = ResponsesProjector(ctx)
+        headers = {"x-request-id": response_id}
+        return sse_response(state, request, response_id, projector, headers=headers)
+    return _json(await responses_store.current(state, record), response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    """Delete a stored response."""
+    state = get_state(request)
+    await responses_store.delete(state, response_id, await authenticate(request))
+    return _json({"id": response_id, "object": "response", "deleted": True}, response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str) -> Response:
+    """Cancel an in-progress response; returns it once the worker has stopped (or as it is)."""
+    state = get_state(request)
+    record = await responses_store.load(state, response_id, await authenticate(request))
+    response = await responses_store.current(state, record)
+    if response.status != "in_progress":
+        raise InvalidRequest(f"Cannot cancel a response with status '{response.status}'")
+    await cancel(state, response_id)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(_CANCEL_WAIT_S):
+            async for _ in tail(state, response_id):
+                pass
+    return _json(await responses_store.current(state, record), response_id)

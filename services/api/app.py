@@ -1,0 +1,150 @@
+"""The FastAPI application factory and the state its lifespan owns.
+
+``create_app(settings)`` builds an app with no module globals: the lifespan opens one Redis
+connection pool (shared by the command client and arq's enqueue client), the ``StreamHub`` with
+its own blocking connection, and the ``CardCache``, and closes them on shutdown. Every router is
+mounted here; everything under ``/v1`` requires an API key when keys are configured. Request
+bodies are capped at ``max_body_bytes`` by a pure ASGI wrapper (never ``BaseHTTPMiddleware``,
+which breaks streaming and disconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import redis.asyncio as aioredis
+from arq.connections import ArqRedis
+from fastapi import Depends, FastAPI, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.api.auth import authenticate
+from services.api.cards import CardCache
+from services.api.errors import install_error_handlers
+from services.api.hub import StreamHub
+from shared.config import Settings
+from shared.errors import RequestTooLarge
+
+__all__ = ["AppState", "create_app", "get_state"]
+
+
+@dataclass
+class AppState:
+    """Everything a request handler needs; stored on ``app.state.sluice``."""
+
+    settings: Settings
+    redis: aioredis.Redis
+    arq: ArqRedis
+    hub: StreamHub
+    cards: CardCache
+    background: set[asyncio.Task[None]] = field(default_factory=set)  # fire-and-forget work
+
+
+def get_state(request: Request) -> AppState:
+    """The app state of the request's application.
+
+    Args:
+        request: any request.
+
+    Returns:
+        The ``AppState`` the lifespan created.
+    """
+    state: AppState = request.app.state.sluice
+    return state
+
+
+class _BodyLimit:
+    """Pure ASGI wrapper: a body over ``limit`` bytes raises ``RequestTooLarge`` when read.
+
+    Raising from ``receive`` lands in the route that reads the body, so the error handlers render
+    the 413 in the right wire format.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        too_large = declared is not None and declared.isdigit() and int(declared) > self.limit
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            if too_large:
+                raise RequestTooLarge(f"request body exceeds {self.limit} bytes")
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise RequestTooLarge(f"request body exceeds {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """Build the API application.
+
+    Args:
+        settings: the process settings.
+
+    Returns:
+        The app; its lifespan connects to Redis on startup.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = aioredis.ConnectionPool.from_url(settings.redis_url)
+        redis = aioredis.Redis(connection_pool=pool)
+        # Never pickle: the job is msgpack bytes inside an arq envelope that is msgpack too.
+        arq = ArqRedis(
+            pool,
+            job_serializer=msgspec.msgpack.encode,
+            job_deserializer=msgspec.msgpack.decode,
+        )
+        hub = StreamHub(settings.redis_url, redis)
+        await hub.start()
+        cards = CardCache(
+            redis,
+            lease_ttl_s=settings.lease_ttl_s,
+            reasoning_when_hidden=settings.reasoning_when_hidden,
+        )
+        state = AppState(settings=settings, redis=redis, arq=arq, hub=hub, cards=cards)
+        app.state.sluice = state
+        try:
+            yield
+        finally:
+            await hub.stop()
+            for task in list(state.background):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(task, timeout=2)
+            await pool.aclose()
+
+    app = FastAPI(
+        title="sluice",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    install_error_handlers(app)
+    _mount(app)
+    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+    return app
+
+
+def _mount(app: FastAPI) -> None:
+    # Imported here so a wire module's import error names its own route, not app construction.
+    from services.api.routes import chat, health, messages, models, native, responses
+
+    guarded = [Depends(authenticate)]
+    app.include_router(health.router)
+    for module in (native, models, chat, responses, messages):
+        app.include_router(module.router, dependencies=guarded)

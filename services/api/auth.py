@@ -1,0 +1,84 @@
+"""API-key authentication: who is calling, as an owner id.
+
+Keys come from ``Settings.all_api_keys()``; no keys configured means auth is off and every
+caller is the anonymous owner ``""``. The owner id stored with a request is the SHA-256 of the
+key, so Redis never holds a usable key and only the creating key can read or replay a request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from fastapi import Request
+
+from shared.errors import AuthenticationFailed
+
+__all__ = ["authenticate", "owner_id", "presented_key"]
+
+_STATE_ATTR = "sluice_owner"
+
+
+def owner_id(key: str) -> str:
+    """The owner id of an API key.
+
+    Args:
+        key: the raw key.
+
+    Returns:
+        Hex SHA-256 of the key.
+    """
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def presented_key(request: Request) -> str | None:
+    """The key the caller sent: ``Authorization: Bearer <key>`` or ``x-api-key: <key>``.
+
+    Args:
+        request: the request.
+
+    Returns:
+        The key, or None when neither header carries one.
+    """
+    auth = request.headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = request.headers.get("x-api-key")
+    return key.strip() if key and key.strip() else None
+
+
+async def authenticate(request: Request) -> str:
+    """Check the caller's key and return its owner id (cached on the request).
+
+    Args:
+        request: the request; ``request.app.state.sluice.settings`` holds the keys.
+
+    Returns:
+        The owner id: SHA-256 of the key, or ``""`` when auth is off.
+
+    Raises:
+        AuthenticationFailed: keys are configured and the request has none or an unknown one.
+    """
+    cached = getattr(request.state, _STATE_ATTR, None)
+    if isinstance(cached, str):
+        return cached
+    keys = request.app.state.sluice.settings.all_api_keys()
+    if not keys:
+        owner = ""
+    else:
+        key = presented_key(request)
+        if key is None:
+            raise AuthenticationFailed(
+                "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            )
+        # compare_digest on every key: the time taken must not reveal which prefix matched.
+        matched = False
+        for candidate in keys:
+            matched |= hmac.compare_digest(candidate.encode(), key.encode())
+        if not matched:
+            raise AuthenticationFailed("invalid API key")
+        owner = owner_id(key)
+    setattr(request.state, _STATE_ATTR, owner)
+    return owner

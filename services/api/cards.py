@@ -1,0 +1,162 @@
+"""What the API knows about served models: their cards, tokenizers, renderers and live workers.
+
+Workers publish a ``ModelCard`` under ``sluice:model:{name}`` and a heartbeat hash under
+``sluice:worker:{wid}`` (indexed by ``sluice:workers``, scored by last beat in ms). The cache
+builds the ``tokenizers.Tokenizer`` and ``PromptRenderer`` once per card version (the card's
+bytes), and re-reads Redis at most every ``refresh_s`` so a request costs no card round trip.
+Which models have a live worker is cached the same way, except that a miss is re-checked at
+once, so a worker that has just started is usable immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from tokenizers import Tokenizer
+
+from shared import keys
+from shared.errors import ModelNotFound
+from shared.model_card import ModelCard, decode_card
+from shared.prompt import PromptRenderer
+
+__all__ = ["CardCache", "LoadedCard"]
+
+
+@dataclass
+class LoadedCard:
+    """A decoded card with its tokenizer and prompt renderer, built once per card version."""
+
+    card: ModelCard
+    digest: str
+    renderer: PromptRenderer
+    fetched: float = 0.0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The card's tokenizer (shared with the renderer)."""
+        return self.renderer.tokenizer
+
+
+def _build(card: ModelCard, digest: str, reasoning_when_hidden: bool) -> LoadedCard:
+    tokenizer = Tokenizer.from_str(card.tokenizer_json)
+    renderer = PromptRenderer(card, tokenizer, reasoning_when_hidden=reasoning_when_hidden)
+    return LoadedCard(card=card, digest=digest, renderer=renderer)
+
+
+class CardCache:
+    """Model cards and worker liveness, read from Redis and cached briefly."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        lease_ttl_s: float,
+        refresh_s: float = 2.0,
+        reasoning_when_hidden: bool = False,
+    ) -> None:
+        """Create an empty cache.
+
+        Args:
+            redis: the app's command client.
+            lease_ttl_s: a worker whose last heartbeat is older than this is presumed dead.
+            refresh_s: how long a card or the live-model set is trusted before re-reading.
+            reasoning_when_hidden: server default passed to every ``PromptRenderer``.
+        """
+        self._redis = redis
+        self._lease_ttl_s = lease_ttl_s
+        self._refresh_s = refresh_s
+        self._reasoning_when_hidden = reasoning_when_hidden
+        self._cards: dict[str, LoadedCard] = {}
+        self._live: dict[str, int] = {}
+        self._live_at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def get(self, model: str) -> LoadedCard:
+        """The loaded card of ``model``.
+
+        Args:
+            model: the public model id.
+
+        Returns:
+            The card with its renderer.
+
+        Raises:
+            ModelNotFound: no worker ever published a card for that name.
+        """
+        now = time.monotonic()
+        cached = self._cards.get(model)
+        if cached is not None and now - cached.fetched < self._refresh_s:
+            return cached
+        raw = await self._redis.hget(keys.model_card(model), "card")  # type: ignore[misc]
+        if raw is None:
+            self._cards.pop(model, None)
+            raise ModelNotFound(f"The model '{model}' does not exist", param="model")
+        digest = hashlib.blake2b(raw, digest_size=16).hexdigest()
+        if cached is None or cached.digest != digest:
+            # Building a tokenizer from a few MB of JSON takes tens of ms: keep it off the loop.
+            cached = await asyncio.to_thread(
+                _build, decode_card(raw), digest, self._reasoning_when_hidden
+            )
+            self._cards[model] = cached
+        cached.fetched = now
+        return cached
+
+    async def published(self) -> list[str]:
+        """Names of every model with a published card (live or not), sorted."""
+        names = await self._redis.smembers(keys.models())  # type: ignore[misc]
+        return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+
+    async def cards(self, models: list[str]) -> list[ModelCard]:
+        """The cards of ``models`` that still exist, in the given order (no tokenizers built)."""
+        if not models:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name in models:
+                pipe.hget(keys.model_card(name), "card")
+            raws = await pipe.execute()
+        return [decode_card(raw) for raw in raws if raw is not None]
+
+    async def live_models(self, *, fresh: bool = False) -> dict[str, int]:
+        """Models served by at least one live worker, with the number of such workers.
+
+        Args:
+            fresh: bypass the cache.
+
+        Returns:
+            ``{model: live worker count}``.
+        """
+        now = time.monotonic()
+        if not fresh and now - self._live_at < self._refresh_s:
+            return self._live
+        async with self._lock:
+            if not fresh and time.monotonic() - self._live_at < self._refresh_s:
+                return self._live
+            self._live = await self._read_live()
+            self._live_at = time.monotonic()
+        return self._live
+
+    async def has_worker(self, model: str) -> bool:
+        """Whether a live worker serves ``model`` (a cached miss is re-checked at once)."""
+        if model in await self.live_models():
+            return True
+        return model in await self.live_models(fresh=True)
+
+    async def _read_live(self) -> dict[str, int]:
+        cutoff = int((time.time() - self._lease_ttl_s) * 1000)
+        wids = await self._redis.zrangebyscore(keys.workers(), cutoff, "+inf")
+        if not wids:
+            return {}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for wid in wids:
+                pipe.hget(keys.worker(wid.decode() if isinstance(wid, bytes) else wid), "model")
+            models = await pipe.execute()
+        live: dict[str, int] = {}
+        for model in models:
+            if model is not None:  # the hash expired: that worker is gone despite its score
+                name = model.decode() if isinstance(model, bytes) else str(model)
+                live[name] = live.get(name, 0) + 1
+        return live

@@ -1,0 +1,295 @@
+"""The stream hub: one blocking XREAD per API process serves every live request stream.
+
+A blocked XREAD holds its connection, so a connection per SSE client would cost one Redis client
+per stream and one round trip per event (redis-arq.md §2.5). Instead a single reader task runs
+``XREAD BLOCK <ms> COUNT <n> STREAMS k1 … kN wake id1 … idN wake_id`` with explicit last ids
+(never ``$``), and fans entries out to per-subscriber buffers. A new subscription must not wait
+for the block to time out, so ``subscribe`` XADDs to the hub's private wake stream, which is part
+of every call and makes the blocked XREAD return at once.
+
+Back-pressure: a subscriber whose buffer passes ``high_water`` is paused; its key drops out of
+the XREAD (unless another subscriber of the same key is keeping up) and its cursor stays where it
+was, so a slow client costs nothing but its own buffer and never stalls anyone else. When it
+drains below ``low_water`` it resumes from its cursor. Because the stream is a durable log,
+a lost Redis connection is retried from the same cursors without losing or repeating entries.
+
+This module owns no key names beyond the wake stream and never decodes events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeout
+
+from shared import keys
+
+__all__ = ["Entry", "HubClosed", "StreamHub", "Subscription", "parse_id"]
+
+logger = logging.getLogger(__name__)
+
+Entry = tuple[str, dict[bytes, bytes]]  # (stream entry id, fields)
+StreamId = tuple[int, int]
+
+
+def parse_id(entry_id: str) -> StreamId:
+    """Parse a Redis stream id (``ms-seq`` or ``ms``) into a comparable tuple.
+
+    Args:
+        entry_id: the id text.
+
+    Returns:
+        ``(ms, seq)``.
+
+    Raises:
+        ValueError: the text is not a stream id.
+    """
+    ms, _, seq = entry_id.strip().partition("-")
+    out = (int(ms), int(seq) if seq else 0)
+    if out[0] < 0 or out[1] < 0:
+        raise ValueError(f"negative stream id {entry_id!r}")
+    return out
+
+
+class HubClosed(Exception):
+    """The hub stopped while a subscriber was waiting."""
+
+
+class Subscription:
+    """One consumer's view of one stream: a cursor and a bounded buffer of entries after it."""
+
+    def __init__(self, hub: StreamHub, key: str, after: str) -> None:
+        """Create a subscription; use ``StreamHub.subscribe``, not this."""
+        self.key = key
+        self.cursor = after  # id of the last entry handed to the buffer
+        self.cursor_id = parse_id(after)
+        self.paused = False
+        self.closed = False
+        self._hub = hub
+        self._buf: deque[Entry] = deque()
+        self._ready = asyncio.Event()
+
+    def _push(self, entry_id: str, parsed: StreamId, fields: dict[bytes, bytes]) -> None:
+        self._buf.append((entry_id, fields))
+        self.cursor, self.cursor_id = entry_id, parsed
+        if len(self._buf) >= self._hub.high_water:
+            self.paused = True
+        self._ready.set()
+
+    def _close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def get(self, wait_s: float | None = None) -> Entry | None:
+        """Wait for the next entry.
+
+        Args:
+            wait_s: seconds to wait; None waits forever.
+
+        Returns:
+            The next ``(entry_id, fields)``, or None when ``wait_s`` passed without one.
+
+        Raises:
+            HubClosed: the hub stopped.
+        """
+        while not self._buf:
+            if self.closed:
+                raise HubClosed("stream hub stopped")
+            self._ready.clear()
+            if wait_s is None:
+                await self._ready.wait()
+                continue
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._ready.wait()
+            except TimeoutError:
+                if not self._buf and not self.closed:
+                    return None
+        item = self._buf.popleft()
+        if self.paused and len(self._buf) <= self._hub.low_water:
+            self.paused = False
+            await self._hub.wake()
+        return item
+
+
+class StreamHub:
+    """Multiplexes many XREAD tails over one dedicated blocking connection."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        commands: aioredis.Redis,
+        *,
+        block_ms: int = 5_000,
+        count: int = 256,
+        high_water: int = 1_024,
+    ) -> None:
+        """Configure the hub; ``start()`` opens the connection.
+
+        Args:
+            redis_url: where the blocking connection goes.
+            commands: the app's ordinary client, used for the wake XADD (never for blocking).
+            block_ms: XREAD BLOCK time; only bounds how long an idle hub sleeps.
+            count: XREAD COUNT per stream per call.
+            high_water: buffered entries at which a subscriber is paused (resumes at a quarter).
+        """
+        self.redis_url = redis_url
+        self.block_ms = block_ms
+        self.count = count
+        self.high_water = high_water
+        self.low_water = high_water // 4
+        self.wake_key = keys.hub_wake(f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self._commands = commands
+        self._conn: aioredis.Redis | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._subs: dict[str, list[Subscription]] = {}
+        self._wake_id = "0-0"
+        self._version = 0  # bumped whenever the set of keys/cursors to read changes
+        self._inflight_version = -1  # the version the pending XREAD was built from
+        self._woken_version = -1
+        self.xread_calls = 0
+
+    @property
+    def subscriptions(self) -> int:
+        """How many subscriptions are open."""
+        return sum(len(v) for v in self._subs.values())
+
+    async def start(self) -> None:
+        """Open the blocking connection and start the reader task."""
+        # socket_timeout must exceed the block time or redis-py raises TimeoutError while the
+        # server is legitimately blocking (redis/redis-py#3138).
+        self._conn = aioredis.Redis.from_url(
+            self.redis_url,
+            single_connection_client=True,
+            socket_timeout=self.block_ms / 1000 + 10,
+            socket_connect_timeout=5,
+        )
+        self._task = asyncio.create_task(self._run(), name="sluice-stream-hub")
+
+    async def stop(self) -> None:
+        """Stop the reader, close the connection and wake every subscriber with ``HubClosed``."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for subs in self._subs.values():
+            for sub in subs:
+                sub._close()
+        self._subs.clear()
+        if self._conn is not None:
+            await self._conn.aclose()
+            self._conn = None
+        with contextlib.suppress(Exception):
+            await self._commands.delete(self.wake_key)
+
+    async def subscribe(self, key: str, after: str = "0-0") -> Subscription:
+        """Start receiving entries of ``key`` with ids greater than ``after``.
+
+        Args:
+            key: the stream key.
+            after: the last id already seen (``0-0`` for the whole stream).
+
+        Returns:
+            The subscription; pass it to ``unsubscribe`` when done.
+
+        Raises:
+            ValueError: ``after`` is not a stream id.
+        """
+        sub = Subscription(self, key, after)
+        self._subs.setdefault(key, []).append(sub)
+        await self.wake()
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Stop delivering to ``sub`` (idempotent; no Redis call)."""
+        subs = self._subs.get(sub.key)
+        if subs and sub in subs:
+            subs.remove(sub)
+            if not subs:
+                del self._subs[sub.key]
+            self._version += 1
+        sub._close()
+
+    @contextlib.asynccontextmanager
+    async def subscription(self, key: str, after: str = "0-0") -> AsyncIterator[Subscription]:
+        """``subscribe`` as an async context manager that always unsubscribes."""
+        sub = await self.subscribe(key, after)
+        try:
+            yield sub
+        finally:
+            self.unsubscribe(sub)
+
+    async def wake(self) -> None:
+        """Make the reader re-issue its XREAD soon if the pending one predates a change."""
+        self._version += 1
+        if self._inflight_version < 0 or self._woken_version == self._inflight_version:
+            return  # no XREAD pending, or it is already being woken
+        self._woken_version = self._inflight_version
+        async with self._commands.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.wake_key, {b"w": b"1"}, maxlen=16, approximate=True)
+            pipe.expire(self.wake_key, 3_600)
+            await pipe.execute()
+
+    def _streams(self) -> dict[str, str]:
+        streams: dict[str, str] = {}
+        for key, subs in self._subs.items():
+            best: Subscription | None = None
+            for sub in subs:
+                if not sub.paused and (best is None or sub.cursor_id < best.cursor_id):
+                    best = sub
+            if best is not None:
+                streams[key] = best.cursor
+        streams[self.wake_key] = self._wake_id
+        return streams
+
+    def _dispatch(
+        self, response: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+    ) -> None:
+        for raw_key, entries in response:
+            key = raw_key.decode()
+            if key == self.wake_key:
+                self._wake_id = entries[-1][0].decode()
+                continue
+            subs = self._subs.get(key)
+            if not subs:
+                continue
+            for raw_id, fields in entries:
+                entry_id = raw_id.decode()
+                parsed = parse_id(entry_id)
+                for sub in subs:
+                    if not sub.paused and sub.cursor_id < parsed:
+                        sub._push(entry_id, parsed, fields)
+
+    async def _run(self) -> None:
+        assert self._conn is not None
+        backoff = 0.05
+        while True:
+            streams = self._streams()
+            self._inflight_version = self._version
+            try:
+                response = await self._conn.xread(
+                    streams,  # type: ignore[arg-type]  # redis-py's dict type is invariant
+                    count=self.count,
+                    block=self.block_ms,
+                )
+            except (RedisConnectionError, RedisTimeout, OSError) as exc:
+                # The cursors are explicit, so retrying later loses and repeats nothing.
+                self._inflight_version = -1
+                logger.warning("stream hub read failed (%s); retrying in %.2fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            finally:
+                self.xread_calls += 1
+            self._inflight_version = -1
+            backoff = 0.05
+            if response:
+                self._dispatch(response)

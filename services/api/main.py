@@ -1,0 +1,38 @@
+"""``sluice api``: serve the app with uvicorn on ``settings.host:settings.port``."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from services.api.app import create_app
+from shared.config import Settings
+
+__all__ = ["run_api"]
+
+
+def run_api(settings: Settings) -> int:
+    """Run the API server until interrupted.
+
+    Args:
+        settings: the process settings.
+
+    Returns:
+        The process exit code.
+    """
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        # Slow SSE clients are handled by the hub's back-pressure; don't let uvicorn cut
+        # long-lived streams or buffer them.
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

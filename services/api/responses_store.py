@@ -1,0 +1,189 @@
+"""Stored Responses-API responses, in Redis only, so any API replica can serve them.
+
+Owns the ``sluice:response:{rid}`` record (JSON): the owner, the request echo (the ``Response``
+skeleton) and, once generation has ended, the final object. The event log is the source of
+truth: until the record holds a final object, reading it folds the log and renders it with the
+same code as a non-streaming answer, and the first read that sees the terminal event writes the
+final object back. It also rebuilds a stored conversation for ``previous_response_id`` from the
+stored request job and the stored output. Only the key that created a response can see it; to
+everyone else it does not exist (404, never 403, so ids cannot be probed).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from services.api.submit import load_job
+from services.api.wire.openai_responses import render
+from services.api.wire.openai_responses_request import items_to_messages
+from services.api.wire.openai_responses_types import Response
+from shared import keys
+from shared.accumulate import fold
+from shared.codec import decode_entry
+from shared.errors import InvalidRequest, NotFound, PermissionDenied
+from shared.events import AnyEvent, is_terminal
+from shared.jobs import Message
+
+if TYPE_CHECKING:
+    from services.api.app import AppState
+
+__all__ = [
+    "StoredResponse",
+    "conversation",
+    "current",
+    "delete",
+    "events",
+    "load",
+    "save",
+]
+
+_FINAL = ("completed", "incomplete", "failed", "cancelled")
+
+
+class StoredResponse(msgspec.Struct, kw_only=True):
+    """The record under ``sluice:response:{rid}``."""
+
+    owner: str
+    skeleton: Response
+    final: Response | None = None
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(StoredResponse)
+
+
+async def save(state: AppState, owner: str, skeleton: Response) -> None:
+    """Store a new response (its request echo) for the retention period.
+
+    Args:
+        state: the app state.
+        owner: the creating key's owner id.
+        skeleton: the in-progress response; ``skeleton.id`` is the request id.
+    """
+    record = StoredResponse(owner=owner, skeleton=skeleton)
+    await state.redis.set(
+        keys.response(skeleton.id), _ENCODER.encode(record), ex=state.settings.retention_s
+    )
+
+
+async def load(state: AppState, rid: str, owner: str) -> StoredResponse:
+    """Load a stored response for its owner.
+
+    Args:
+        state: the app state.
+        rid: the response id.
+        owner: the caller's owner id.
+
+    Returns:
+        The record.
+
+    Raises:
+        NotFound: no such response, deleted, expired, stored with ``store: false``, or created
+            by another key.
+    """
+    raw = await state.redis.get(keys.response(rid))
+    record = _DECODER.decode(raw) if raw is not None else None
+    if record is None or record.owner != owner:
+        raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
+    return record
+
+
+async def events(state: AppState, rid: str) -> list[AnyEvent]:
+    """Read a request's event log as it is now (non-blocking).
+
+    Args:
+        state: the app state.
+        rid: the request id.
+
+    Returns:
+        The events so far; the last one is terminal once generation has ended.
+    """
+    entries = await state.redis.xrange(keys.events(rid), "-", "+")
+    return [decode_entry(fields) for _, fields in entries]
+
+
+async def current(state: AppState, record: StoredResponse) -> Response:
+    """The response as it stands: final if generation ended, in progress otherwise.
+
+    Args:
+        state: the app state.
+        record: the stored record.
+
+    Returns:
+        The response object, rendered from the event log unless already final.
+    """
+    if record.final is not None:
+        return record.final
+    log = await events(state, record.skeleton.id)
+    response = render(fold(log), record.skeleton)
+    if log and is_terminal(log[-1]):
+        record.final = response
+        # xx: a response deleted meanwhile stays deleted; keepttl: retention counts from create.
+        await state.redis.set(
+            keys.response(response.id), _ENCODER.encode(record), xx=True, keepttl=True
+        )
+    return response
+
+
+async def delete(state: AppState, rid: str, owner: str) -> None:
+    """Delete a stored response; a finished one takes its event log and request with it.
+
+    Args:
+        state: the app state.
+        rid: the response id.
+        owner: the caller's owner id.
+
+    Raises:
+        NotFound: as for ``load``.
+    """
+    record = await load(state, rid, owner)
+    response = await current(state, record)
+    doomed = [keys.response(rid)]
+    if response.status in _FINAL:
+        # While generating, the worker still appends to the log and may need the request.
+        doomed += [keys.events(rid), keys.request(rid)]
+    await state.redis.delete(*doomed)
+
+
+async def conversation(state: AppState, rid: str, owner: str) -> list[Message]:
+    """Rebuild the conversation up to and including a stored response's output.
+
+    The stored request job holds every earlier turn (its own ``previous_response_id`` history
+    was folded into it when it was created); its ``instructions`` message is dropped because
+    instructions never carry over. The stored output adds the assistant turn: reasoning, text
+    and function calls, whose outputs the next request's ``function_call_output`` items answer.
+
+    Args:
+        state: the app state.
+        rid: the previous response id.
+        owner: the caller's owner id.
+
+    Returns:
+        The turns, oldest first.
+
+    Raises:
+        NotFound: as for ``load``, or the request behind it has expired.
+        InvalidRequest: the previous response is still being generated.
+    """
+    try:
+        record = await load(state, rid, owner)
+    except NotFound as exc:
+        raise NotFound(
+            f"Previous response with id '{rid}' not found.", param="previous_response_id"
+        ) from exc
+    response = await current(state, record)
+    if response.status not in _FINAL:
+        raise InvalidRequest(
+            f"Previous response '{rid}' is still in progress", param="previous_response_id"
+        )
+    try:
+        job = await load_job(state, rid, owner)
+    except PermissionDenied as exc:  # an owner mismatch reads as absence, as for load()
+        raise NotFound(
+            f"Previous response with id '{rid}' not found.", param="previous_response_id"
+        ) from exc
+    history = job.messages[1:] if record.skeleton.instructions else job.messages
+    output = [msgspec.to_builtins(item) for item in response.output]
+    return items_to_messages(output, history, param="previous_response_id")

@@ -1,0 +1,104 @@
+"""The native, format-agnostic API: submit a canonical job, stream its typed events, cancel it.
+
+``POST /v1/requests`` takes ``GenerateRequest`` as JSON (without the fields the server assigns)
+and returns the request id. ``GET /v1/requests/{id}/events`` streams the events themselves as
+SSE: ``event: <tag>``, ``data: <event JSON>``, ``id: <Redis entry id>``; ``Last-Event-ID`` or
+``?after=`` resumes after an id. Only the key that created a request may read or cancel it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from services.api import sse
+from services.api.app import get_state
+from services.api.auth import authenticate
+from services.api.hub import parse_id
+from services.api.streaming import sse_response
+from services.api.submit import cancel, load_job, new_request_id, submit
+from shared.errors import InvalidRequest
+from shared.events import AnyEvent
+from shared.jobs import GenerateRequest
+
+__all__ = ["NativeProjector", "router"]
+
+router = APIRouter()
+
+_SERVER_FIELDS = ("request_id", "owner", "created", "prompt_token_ids", "prompt_text")
+_JOB_FIELDS = frozenset(f.name for f in msgspec.structs.fields(GenerateRequest))
+_JSON = msgspec.json.Encoder()
+
+
+class NativeProjector:
+    """Each event as one named SSE frame carrying the event's own JSON."""
+
+    def feed(self, event: AnyEvent) -> list[sse.Frame]:
+        """One frame per event: ``event:`` is the tag, ``data:`` the JSON event."""
+        return [sse.Frame(data=_JSON.encode(event), event=str(event.__struct_config__.tag))]
+
+    def close(self) -> list[sse.Frame]:
+        """No sentinel: the terminal event (``finish``/``error``) ends the stream."""
+        return []
+
+
+def _parse_job(body: bytes, rid: str) -> GenerateRequest:
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    for name in raw:
+        if name in _SERVER_FIELDS:
+            raise InvalidRequest(f"'{name}' is set by the server", param=name)
+        if name not in _JOB_FIELDS:
+            raise InvalidRequest(f"unknown field '{name}'", param=name)
+    if "model" not in raw:
+        raise InvalidRequest("'model' is required", param="model")
+    raw["request_id"] = rid
+    raw["origin"] = "native"
+    try:
+        return msgspec.convert(raw, GenerateRequest)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        _, _, path = message.partition(" - at `$.")
+        raise InvalidRequest(message, param=path.rstrip("`") or None) from exc
+
+
+@router.post("/v1/requests")
+async def create_request(request: Request) -> Response:
+    """Submit a canonical job; returns ``{"id", "object", "model", "created"}``."""
+    state = get_state(request)
+    owner = await authenticate(request)
+    job = _parse_job(await request.body(), new_request_id())
+    job = await submit(state, job, owner=owner)
+    body = {"id": job.request_id, "object": "request", "model": job.model, "created": job.created}
+    return Response(_JSON.encode(body), media_type="application/json")
+
+
+def _resume_id(request: Request) -> str:
+    after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
+    try:
+        parse_id(after)
+    except ValueError as exc:
+        raise InvalidRequest(f"'{after}' is not a stream entry id", param="after") from exc
+    return after
+
+
+@router.get("/v1/requests/{rid}/events")
+async def stream_events(rid: str, request: Request) -> StreamingResponse:
+    """Stream the request's events as SSE from the start, or after ``Last-Event-ID``/``after``."""
+    state = get_state(request)
+    await load_job(state, rid, await authenticate(request))
+    return sse_response(state, request, rid, NativeProjector(), after=_resume_id(request))
+
+
+@router.post("/v1/requests/{rid}/cancel")
+async def cancel_request(rid: str, request: Request) -> Response:
+    """Ask the worker to stop; the stream then ends with ``Finish(cancelled)``."""
+    state = get_state(request)
+    await load_job(state, rid, await authenticate(request))
+    await cancel(state, rid)
+    return Response(_JSON.encode({"id": rid, "cancelled": True}), media_type="application/json")

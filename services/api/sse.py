@@ -1,0 +1,84 @@
+"""Server-Sent Events framing: the only place that writes ``data:``/``event:``/``id:`` lines.
+
+Projectors return ``Frame`` objects; the streaming pipeline encodes them here. Keepalives are SSE
+comments (lines starting with ``:``), which every SDK decoder ignores (wire-formats.md §1).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["HEADERS", "MEDIA_TYPE", "Frame", "comment", "encode", "json_frame"]
+
+MEDIA_TYPE = "text/event-stream; charset=utf-8"
+
+# One copy of the streaming headers: proxies that buffer SSE (nginx without
+# X-Accel-Buffering: no) are the usual cause of streams arriving all at once.
+HEADERS: dict[str, str] = {
+    "Content-Type": MEDIA_TYPE,
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+_JSON = msgspec.json.Encoder()
+
+
+class Frame(msgspec.Struct, frozen=True):
+    """One SSE event: payload, optional ``event:`` name and optional ``id:``."""
+
+    data: bytes | str
+    event: str | None = None
+    id: str | None = None
+
+
+def json_frame(obj: object, event: str | None = None) -> Frame:
+    """Build a frame whose data is ``obj`` encoded as compact JSON.
+
+    Args:
+        obj: anything msgspec can encode (Structs, dicts, lists, scalars).
+        event: the ``event:`` name, or None for a data-only frame.
+
+    Returns:
+        The frame.
+    """
+    return Frame(data=_JSON.encode(obj), event=event)
+
+
+def _field(name: bytes, value: bytes) -> bytes:
+    # A field value must not contain line breaks; SSE has no escaping, so a value with a
+    # newline is split into several lines of the same field (the decoder joins them with \n).
+    if b"\n" not in value and b"\r" not in value:
+        return name + b": " + value + b"\n"
+    lines = value.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+    return b"".join(name + b": " + line + b"\n" for line in lines)
+
+
+def encode(frame: Frame) -> bytes:
+    """Encode one frame as the bytes of an SSE event, ending with the blank line.
+
+    Args:
+        frame: the frame to encode.
+
+    Returns:
+        ``event:`` (if any), ``id:`` (if any) and ``data:`` lines followed by ``\\n``.
+    """
+    data = frame.data.encode() if isinstance(frame.data, str) else frame.data
+    out = b""
+    if frame.event is not None:
+        out += _field(b"event", frame.event.encode())
+    if frame.id is not None:
+        out += _field(b"id", frame.id.encode())
+    return out + _field(b"data", data) + b"\n"
+
+
+def comment(text: str = "keepalive") -> bytes:
+    """Encode an SSE comment, which clients ignore; used as a keepalive.
+
+    Args:
+        text: the comment text (line breaks are replaced by spaces).
+
+    Returns:
+        ``: <text>\\n\\n``.
+    """
+    flat = text.replace("\r", " ").replace("\n", " ")
+    return b": " + flat.encode() + b"\n\n"

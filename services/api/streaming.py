@@ -1,0 +1,216 @@
+"""The one pipeline every route streams through: tail → project → SSE.
+
+``tail`` reads a request's event log through the process's ``StreamHub`` from an explicit id
+until the terminal event. ``sse_response`` feeds those events to a wire format's projector and
+encodes its frames with ``sse.encode``; the Redis entry id rides on the last frame of each event
+as the SSE ``id:``, so ``Last-Event-ID`` resumes exactly after it. While nothing arrives it sends
+keepalives; when the client goes away it raises the cancel flag; and nothing raises past the SSE
+boundary once headers are out: a failure becomes the projector's own in-band error frame.
+``collect`` is the non-streaming twin (events until terminal, cancel on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from services.api import sse
+from services.api.submit import cancel
+from shared import keys
+from shared.codec import decode_entry
+from shared.events import AnyEvent, Error, is_terminal
+
+if TYPE_CHECKING:
+    from services.api.app import AppState
+
+__all__ = ["Projector", "collect", "sse_response", "tail"]
+
+logger = logging.getLogger(__name__)
+
+
+class Projector(Protocol):
+    """Turns events into one wire format's SSE frames; pure (no I/O, no clock, no ids)."""
+
+    def feed(self, event: AnyEvent) -> list[sse.Frame]:
+        """Frames for one event (possibly none)."""
+        ...
+
+    def close(self) -> list[sse.Frame]:
+        """Frames after the terminal event (e.g. ``data: [DONE]``)."""
+        ...
+
+
+async def _next(
+    state: AppState, rid: str, after: str
+) -> AsyncGenerator[tuple[str, AnyEvent] | None, None]:
+    """Entries of the request's stream after ``after``; None each ``keepalive_s`` of silence."""
+    async with state.hub.subscription(keys.events(rid), after) as sub:
+        while True:
+            entry = await sub.get(state.settings.keepalive_s)
+            if entry is None:
+                yield None
+                continue
+            entry_id, fields = entry
+            event = decode_entry(fields)
+            yield entry_id, event
+            if is_terminal(event):
+                return
+
+
+async def tail(
+    state: AppState, rid: str, after: str = "0-0"
+) -> AsyncIterator[tuple[str, AnyEvent]]:
+    """Yield ``(entry_id, event)`` of a request's stream after ``after`` until the terminal event.
+
+    Args:
+        state: the app state.
+        rid: the request id.
+        after: the last entry id already seen (``0-0`` for everything).
+
+    Yields:
+        Entry id and decoded event; the last one yielded is terminal.
+
+    Raises:
+        ProtocolError: an entry does not decode.
+    """
+    async with contextlib.aclosing(_next(state, rid, after)) as items:
+        async for item in items:
+            if item is not None:
+                yield item
+
+
+def _spawn(state: AppState, coro: Coroutine[Any, Any, None]) -> None:
+    # Called from a cancelled scope (client disconnect), where awaiting is no longer possible:
+    # run it as its own task and keep a reference so it is not garbage-collected mid-flight.
+    task = asyncio.get_running_loop().create_task(coro)
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
+
+
+async def _cancel_quietly(state: AppState, rid: str) -> None:
+    try:
+        await cancel(state, rid)
+    except Exception:  # boundary: a dead Redis must not turn a disconnect into a crash
+        logger.exception("could not set the cancel flag of %s", rid)
+
+
+def _with_id(frames: list[sse.Frame], entry_id: str) -> list[sse.Frame]:
+    if frames:
+        frames[-1] = msgspec.structs.replace(frames[-1], id=entry_id)
+    return frames
+
+
+async def _frames(
+    state: AppState, rid: str, projector: Projector, after: str, keepalive: sse.Frame | None
+) -> AsyncIterator[bytes]:
+    ping = sse.encode(keepalive) if keepalive is not None else sse.comment()
+    finished = False
+    try:
+        async with contextlib.aclosing(_next(state, rid, after)) as items:
+            async for item in items:
+                if item is None:
+                    yield ping
+                    continue
+                entry_id, event = item
+                out = b"".join(sse.encode(f) for f in _with_id(projector.feed(event), entry_id))
+                if is_terminal(event):
+                    finished = True
+                    out += b"".join(sse.encode(f) for f in projector.close())
+                if out:
+                    yield out
+    except Exception as exc:  # boundary: after the headers, errors travel in-band only
+        logger.exception("stream of %s failed", rid)
+        finished = True
+        _spawn(state, _cancel_quietly(state, rid))
+        error = Error(kind="internal", message=f"stream interrupted: {exc}", retryable=True)
+        with contextlib.suppress(Exception):
+            yield b"".join(sse.encode(f) for f in [*projector.feed(error), *projector.close()])
+    finally:
+        if not finished:  # client gone (cancelled scope / closed generator) before the end
+            _spawn(state, _cancel_quietly(state, rid))
+
+
+def sse_response(
+    state: AppState,
+    request: Request,
+    rid: str,
+    projector: Projector,
+    *,
+    after: str = "0-0",
+    keepalive: sse.Frame | None = None,
+    headers: dict[str, str] | None = None,
+) -> StreamingResponse:
+    """Stream a request's events to the client through ``projector`` as SSE.
+
+    Args:
+        state: the app state.
+        request: the HTTP request (kept for symmetry with ``collect``; disconnects are seen
+            by Starlette, which cancels the body iterator).
+        rid: the request id.
+        projector: the wire format's projector.
+        after: resume after this entry id (``Last-Event-ID``); ``0-0`` streams everything.
+        keepalive: a frame to send on silence (e.g. Anthropic's ``ping``); default an SSE comment.
+        headers: extra response headers (e.g. a request id header).
+
+    Returns:
+        The streaming response.
+    """
+    del request
+    return StreamingResponse(
+        _frames(state, rid, projector, after, keepalive),
+        headers={**sse.HEADERS, **(headers or {})},
+        media_type=sse.MEDIA_TYPE,
+    )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(state: AppState, request: Request, rid: str) -> list[AnyEvent]:
+    """Gather a request's events until the terminal one, for a non-streaming response.
+
+    Args:
+        state: the app state.
+        request: the HTTP request, watched for a client disconnect (body already read).
+        rid: the request id.
+
+    Returns:
+        Every event of the stream, the terminal one last.
+
+    Raises:
+        ClientDisconnect: the client left first; the cancel flag has been set.
+        ProtocolError: an entry does not decode.
+    """
+    events: list[AnyEvent] = []
+
+    async def gather() -> None:
+        async for _, event in tail(state, rid):
+            events.append(event)
+
+    started = time.monotonic()
+    gatherer = asyncio.ensure_future(gather())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({gatherer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (gatherer, watcher):
+            task.cancel()
+        await asyncio.gather(gatherer, watcher, return_exceptions=True)
+    if gatherer in done:
+        gatherer.result()  # re-raise a decode failure
+        return events
+    await _cancel_quietly(state, rid)
+    raise ClientDisconnect(f"client left after {time.monotonic() - started:.1f}s")

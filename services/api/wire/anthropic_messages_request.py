@@ -1,0 +1,473 @@
+"""Anthropic Messages request parsing: raw JSON body → canonical ``GenerateRequest``.
+
+Owns the msgspec Structs for the ``POST /v1/messages`` (and ``/count_tokens``) body and the
+translation into the format-agnostic job. It must not render templates, touch Redis or know
+about the response side; every problem becomes ``InvalidRequest`` with the offending ``param``,
+which the app renders as Anthropic's 400 ``invalid_request_error`` (never FastAPI's 422).
+
+What clients actually send (wire-formats.md §4.2, §4.3): ``system`` as a string or text blocks,
+``role: "system"`` turns inside ``messages`` (Claude Code), ``thinking`` / ``redacted_thinking``
+blocks replayed with any or an empty signature (always accepted), and sampling knobs the 1.x+
+SDKs only pass through ``extra_body``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from shared.errors import InvalidRequest
+from shared.jobs import (
+    GenerateRequest,
+    Message,
+    ReasoningControl,
+    ReasoningEffort,
+    SamplingParams,
+    TextPart,
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+)
+
+__all__ = [
+    "MessagesRequest",
+    "build_job",
+    "parse_count_tokens_request",
+    "parse_messages_request",
+]
+
+JsonObject = dict[str, object]
+
+
+# -- content blocks -------------------------------------------------------------------------
+
+
+class TextBlock(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
+    """``{"type": "text", "text": ...}``; ``cache_control`` / ``citations`` are ignored."""
+
+    text: str
+
+
+class ToolUseBlock(msgspec.Struct, frozen=True, tag_field="type", tag="tool_use"):
+    """A tool call of an earlier assistant turn; ``input`` is a JSON object."""
+
+    id: str
+    name: str
+    input: JsonObject = {}
+
+
+class ToolResultBlock(msgspec.Struct, frozen=True, tag_field="type", tag="tool_result"):
+    """The result of a tool call, sent in the next user turn."""
+
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+
+class ThinkingBlock(msgspec.Struct, frozen=True, tag_field="type", tag="thinking"):
+    """Replayed reasoning; local models have no real signature, so any (or none) is fine."""
+
+    thinking: str = ""
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(msgspec.Struct, frozen=True, tag_field="type", tag="redacted_thinking"):
+    """Opaque encrypted reasoning from another provider: accepted and dropped."""
+
+    data: str = ""
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+_BLOCK_TYPES = "text, tool_use, tool_result, thinking, redacted_thinking"
+
+
+class InputMessage(msgspec.Struct, frozen=True):
+    """One turn of ``messages``."""
+
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock] = ""
+
+
+# -- tools, tool_choice, thinking, metadata -------------------------------------------------
+
+
+class Tool(msgspec.Struct, frozen=True):
+    """A client tool; server tools carry a versioned ``type`` and are not supported."""
+
+    name: str
+    input_schema: JsonObject = {}
+    description: str | None = None
+    type: str | None = None
+
+
+class ToolChoiceParam(msgspec.Struct, frozen=True):
+    """``{"type": "auto" | "any" | "tool" | "none", "name"?, "disable_parallel_tool_use"?}``."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type == "tool"
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingParam(msgspec.Struct, frozen=True):
+    """``{"type": "enabled", "budget_tokens"}`` (counts toward ``max_tokens``), ``disabled``,
+    or ``adaptive`` (the model decides); ``display: "omitted"`` hides the thinking text."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Meta(ge=1)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class OutputConfig(msgspec.Struct, frozen=True):
+    """SDK 2.x ``output_config``: only ``effort`` is honoured."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonObject | None = None
+
+
+class Metadata(msgspec.Struct, frozen=True):
+    """``metadata.user_id``; ``script`` selects a scripted-backend scenario in tests."""
+
+    user_id: str | None = None
+    script: str | None = None
+
+
+class MessagesRequest(msgspec.Struct, frozen=True):
+    """The body of ``POST /v1/messages``; unknown top-level fields are accepted and ignored."""
+
+    model: str
+    messages: list[InputMessage]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None  # 0 means "no top-k"
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingParam | None = None
+    output_config: OutputConfig | None = None
+    metadata: Metadata | None = None
+    stream: bool = False
+
+
+_DECODER = msgspec.json.Decoder(MessagesRequest)
+# msgspec reports "<what> - at `$.a[0].b`"; the path becomes the error's ``param``.
+_PATH = re.compile(r"- at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+_EFFORT: dict[str, ReasoningEffort] = {
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
+
+
+def parse_messages_request(body: bytes) -> MessagesRequest:
+    """Decode and validate a ``POST /v1/messages`` body.
+
+    Args:
+        body: the raw request body.
+
+    Returns:
+        The decoded request, with ``max_tokens`` present.
+
+    Raises:
+        InvalidRequest: malformed JSON, a wrong field type, an unsupported content block type,
+            a missing ``max_tokens`` or an out-of-range parameter.
+    """
+    req = parse_count_tokens_request(body)
+    if req.max_tokens is None:
+        raise InvalidRequest("max_tokens: Field required", param="max_tokens")
+    return req
+
+
+def parse_count_tokens_request(body: bytes) -> MessagesRequest:
+    """Decode a ``POST /v1/messages/count_tokens`` body (``max_tokens`` is not required).
+
+    Args:
+        body: the raw request body.
+
+    Returns:
+        The decoded request.
+
+    Raises:
+        InvalidRequest: as for ``parse_messages_request``, except for ``max_tokens``.
+    """
+    req = _decode(body)
+    _validate(req)
+    return req
+
+
+def _decode(body: bytes) -> MessagesRequest:
+    try:
+        return _DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def _validation_error(text: str) -> InvalidRequest:
+    match = _PATH.search(text)
+    path = match.group("path") if match else None
+    missing = _MISSING.match(text)
+    if missing:
+        field = f"{path}.{missing.group('field')}" if path else missing.group("field")
+        return InvalidRequest(f"{field}: Field required", param=field)
+    what = text.split(" - at ")[0]
+    if path is not None and path.endswith(".type") and "content" in path:
+        where = path.removesuffix(".type")
+        # A tool_result's own content holds text blocks only; a turn holds the five kinds.
+        kinds = "text" if where.count("content") > 1 else _BLOCK_TYPES
+        message = f"{where}: {what}; supported content block types: {kinds}"
+        return InvalidRequest(message, param=where)
+    return InvalidRequest(f"{path}: {what}" if path else text, param=path or None)
+
+
+def _validate(req: MessagesRequest) -> None:
+    if not req.model:
+        raise InvalidRequest("model: Field required", param="model")
+    for i, stop in enumerate(req.stop_sequences or []):
+        if not stop.strip():
+            raise InvalidRequest(
+                "stop_sequences: each stop sequence must contain non-whitespace",
+                param=f"stop_sequences[{i}]",
+            )
+    if req.output_config is not None and req.output_config.format is not None:
+        raise InvalidRequest(
+            "output_config.format: structured output is not supported by this server",
+            param="output_config.format",
+        )
+    _validate_tools(req)
+
+
+def _validate_tools(req: MessagesRequest) -> None:
+    names = set()
+    for i, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise InvalidRequest(
+                f"tools[{i}]: server tool type {tool.type!r} is not supported; "
+                "declare client tools with name and input_schema",
+                param=f"tools[{i}].type",
+            )
+        if not tool.name:
+            raise InvalidRequest(f"tools[{i}].name: Field required", param=f"tools[{i}].name")
+        names.add(tool.name)
+    choice = req.tool_choice
+    if choice is not None and choice.type in ("any", "tool") and not names:
+        raise InvalidRequest(
+            f"tool_choice: type {choice.type!r} requires tools", param="tool_choice"
+        )
+    if choice is not None and choice.type == "tool" and choice.name not in names:
+        raise InvalidRequest(
+            f"tool_choice.name: no tool named {choice.name!r} in tools", param="tool_choice.name"
+        )
+    if (
+        req.thinking is not None
+        and req.thinking.type == "enabled"
+        and not req.thinking.budget_tokens
+    ):
+        raise InvalidRequest(
+            "thinking.budget_tokens: Field required", param="thinking.budget_tokens"
+        )
+
+
+# -- translation to the canonical job --------------------------------------------------------
+
+
+def build_job(
+    req: MessagesRequest, *, request_id: str, owner: str = "", created: float = 0.0
+) -> GenerateRequest:
+    """Translate a parsed request into the canonical job.
+
+    Args:
+        req: the parsed request.
+        request_id: the request id (also the Anthropic message id).
+        owner: the authenticated owner id.
+        created: unix seconds the API accepted the request.
+
+    Returns:
+        A job without prompt ids; ``submit`` renders and tokenizes it.
+
+    Raises:
+        InvalidRequest: a block sits in a turn whose role cannot carry it (``tool_use`` in a
+            user turn, ``tool_result`` in an assistant or system turn).
+    """
+    metadata = req.metadata or Metadata()
+    return GenerateRequest(
+        request_id=request_id,
+        model=req.model,
+        origin="anthropic_messages",
+        messages=_messages(req),
+        tools=[
+            ToolDef(name=t.name, description=t.description, parameters=t.input_schema)
+            for t in req.tools or []
+        ],
+        tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
+        sampling=SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k or None,  # 0 means "no top-k" in every sampler we know
+        ),
+        max_tokens=req.max_tokens,
+        stop=list(req.stop_sequences or []),
+        reasoning=_reasoning(req),
+        owner=owner,
+        created=created,
+        user=metadata.user_id,
+        metadata={"script": metadata.script} if metadata.script else {},
+    )
+
+
+def _tool_choice(choice: ToolChoiceParam | None) -> ToolChoice:
+    match None if choice is None else choice.type:
+        case None | "auto":
+            return ToolChoice(mode="auto")
+        case "any":
+            return ToolChoice(mode="required")
+        case "none":
+            return ToolChoice(mode="none")
+        case _:
+            return ToolChoice(mode="named", name=choice.name if choice else None)
+
+
+def _reasoning(req: MessagesRequest) -> ReasoningControl:
+    effort = req.output_config.effort if req.output_config else None
+    mapped = _EFFORT[effort] if effort else None
+    thinking = req.thinking
+    if thinking is None:
+        return ReasoningControl(effort=mapped, explicit=mapped is not None)
+    if thinking.type == "disabled":
+        return ReasoningControl(effort="none", explicit=True)
+    return ReasoningControl(
+        effort=mapped,
+        budget_tokens=thinking.budget_tokens if thinking.type == "enabled" else None,
+        visible=thinking.display != "omitted",
+        explicit=True,
+    )
+
+
+def _messages(req: MessagesRequest) -> list[Message]:
+    out: list[Message] = []
+    if isinstance(req.system, str):
+        if req.system:
+            out.append(Message(role="system", content=[TextPart(text=req.system)]))
+    elif req.system:
+        out.append(Message(role="system", content=_joined([b.text for b in req.system])))
+    tool_names: dict[str, str] = {}
+    for i, turn in enumerate(req.messages):
+        blocks: list[ContentBlock] = (
+            [TextBlock(text=turn.content)] if isinstance(turn.content, str) else turn.content
+        )
+        if turn.role == "assistant":
+            converted = [_assistant_turn(blocks, i, tool_names)]
+        else:
+            converted = _user_turn(turn.role, blocks, i, tool_names)
+        for message in converted:
+            _append_merged(out, message)
+    return out
+
+
+def _joined(texts: list[str]) -> list[TextPart]:
+    # Templates see a message's parts concatenated; separate the blocks the way vLLM flattens
+    # content parts, so "<system-reminder>…" and the user's words do not run together.
+    return [TextPart(text="\n".join(texts))] if texts else []
+
+
+def _assistant_turn(blocks: list[ContentBlock], turn: int, tool_names: dict[str, str]) -> Message:
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    reasoning: list[str] = []
+    for j, block in enumerate(blocks):
+        match block:
+            case TextBlock():
+                content.append(block.text)
+            case ThinkingBlock():
+                reasoning.append(block.thinking)
+            case RedactedThinkingBlock():
+                pass  # another provider's encrypted reasoning: nothing a local model can read
+            case ToolUseBlock():
+                tool_names[block.id] = block.name
+                arguments = msgspec.json.encode(block.input).decode()
+                calls.append(ToolCall(id=block.id, name=block.name, arguments=arguments))
+            case ToolResultBlock():
+                raise InvalidRequest(
+                    f"messages[{turn}].content[{j}]: tool_result blocks belong in a user turn",
+                    param=f"messages[{turn}].content[{j}]",
+                )
+    return Message(
+        role="assistant",
+        content=_joined(content),
+        tool_calls=calls,
+        reasoning="".join(reasoning) if reasoning else None,
+    )
+
+
+def _user_turn(
+    role: Literal["user", "system"],
+    blocks: list[ContentBlock],
+    turn: int,
+    tool_names: dict[str, str],
+) -> list[Message]:
+    # Tool results become "tool" messages in block order, text around them stays a user (or
+    # system) message, so a chat template sees assistant(tool_calls) → tool → user.
+    out: list[Message] = []
+    text: list[str] = []
+    for j, block in enumerate(blocks):
+        match block:
+            case TextBlock():
+                text.append(block.text)
+            case ThinkingBlock() | RedactedThinkingBlock():
+                pass  # only meaningful in assistant turns; harmless elsewhere
+            case ToolResultBlock() if role == "user":
+                if text:
+                    out.append(Message(role=role, content=_joined(text)))
+                    text = []
+                out.append(_tool_result(block, tool_names))
+            case ToolUseBlock() | ToolResultBlock():
+                raise InvalidRequest(
+                    f"messages[{turn}].content[{j}]: {block.__struct_config__.tag} blocks "
+                    f"are not allowed in a {role} turn",
+                    param=f"messages[{turn}].content[{j}]",
+                )
+    if text or not out:
+        out.append(Message(role=role, content=_joined(text)))
+    return out
+
+
+def _tool_result(block: ToolResultBlock, tool_names: dict[str, str]) -> Message:
+    if block.content is None:
+        parts: list[TextPart] = []
+    elif isinstance(block.content, str):
+        parts = [TextPart(text=block.content)]
+    else:
+        parts = _joined([b.text for b in block.content])
+    return Message(
+        role="tool",
+        content=parts,
+        tool_call_id=block.tool_use_id,
+        # compacted histories may drop the matching tool_use; the name is only a template hint
+        name=tool_names.get(block.tool_use_id),
+        is_error=block.is_error,
+    )
+
+
+def _append_merged(out: list[Message], message: Message) -> None:
+    # The Anthropic API combines consecutive turns of one role; chat templates that insist on
+    # alternating roles would otherwise raise on perfectly valid Anthropic requests.
+    last = out[-1] if out else None
+    if last is None or last.role != message.role or message.role not in ("user", "assistant"):
+        out.append(message)
+        return
+    reasoning = [r for r in (last.reasoning, message.reasoning) if r is not None]
+    out[-1] = Message(
+        role=message.role,
+        content=_joined([m.text for m in (last, message) if m.content]),
+        tool_calls=[*last.tool_calls, *message.tool_calls],
+        reasoning="".join(reasoning) if reasoning else None,
+    )

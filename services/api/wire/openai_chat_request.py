@@ -1,0 +1,389 @@
+"""OpenAI Chat Completions request: the body's msgspec Structs and their translation to a job.
+
+Owns only the inbound direction (JSON body -> ``GenerateRequest`` plus the few options the
+projector needs). It does no I/O: model lookup, templating and enqueueing belong to
+``services.api.submit``. Every rejection is an ``InvalidRequest`` naming the offending ``param``,
+so clients get OpenAI's 400 ``invalid_request_error`` body, never FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from shared.errors import InvalidRequest
+from shared.jobs import (
+    GenerateRequest,
+    Message,
+    ReasoningControl,
+    ReasoningEffort,
+    SamplingParams,
+    TextPart,
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+)
+
+__all__ = ["ChatOptions", "ChatRequest", "ParsedChat", "parse_chat_request"]
+
+JsonObject = dict[str, object]
+
+# Newer SDKs know efforts the job vocabulary does not; clamp them to the strongest we have.
+_EFFORTS: dict[str, ReasoningEffort] = {
+    "none": "none",
+    "minimal": "minimal",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
+_TEMPLATE_THINKING_KEYS = ("enable_thinking", "thinking")
+_PATH_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+
+
+class _Part(msgspec.Struct, forbid_unknown_fields=False):
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+Content = str | list[_Part] | None
+
+
+class _Function(msgspec.Struct, forbid_unknown_fields=False):
+    name: str
+    arguments: str | JsonObject = ""
+
+
+class _ToolCall(msgspec.Struct, forbid_unknown_fields=False):
+    id: str
+    function: _Function
+    type: str = "function"
+
+
+class _Message(msgspec.Struct, forbid_unknown_fields=False):
+    role: str
+    content: Content = None
+    name: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class _FunctionDef(msgspec.Struct, forbid_unknown_fields=False):
+    name: str
+    description: str | None = None
+    parameters: JsonObject | None = None
+
+
+class _Tool(msgspec.Struct, forbid_unknown_fields=False):
+    type: str
+    function: _FunctionDef | None = None
+
+
+class _StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
+    include_usage: bool | None = None
+
+
+class _ResponseFormat(msgspec.Struct, forbid_unknown_fields=False):
+    type: str
+
+
+class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
+    """The Chat Completions body; unknown fields are accepted and ignored, as OpenAI's are."""
+
+    model: str
+    messages: list[_Message]
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    response_format: _ResponseFormat | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: str | JsonObject | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool | None = None
+    chat_template_kwargs: JsonObject | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+
+
+class ChatOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What the route and projector need beyond the job."""
+
+    stream: bool = False
+    include_usage: bool = False
+    include_reasoning: bool = False
+    logprobs: bool = False
+
+
+class ParsedChat(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated request: the canonical job and the wire options."""
+
+    job: GenerateRequest
+    options: ChatOptions
+
+
+_DECODER = msgspec.json.Decoder(ChatRequest)
+
+
+def parse_chat_request(
+    body: bytes, *, request_id: str, include_reasoning_header: bool = False
+) -> ParsedChat:
+    """Decode and validate a Chat Completions body into a job.
+
+    Args:
+        body: The raw request body.
+        request_id: The id the job will carry.
+        include_reasoning_header: True when the client sent ``X-Include-Reasoning: true``.
+
+    Returns:
+        The job (not yet rendered or tokenized) and the projector options.
+
+    Raises:
+        InvalidRequest: the body is not valid JSON, a field has the wrong type or value, or it
+            asks for something sluice does not implement (``n > 1``, structured output).
+    """
+    try:
+        req = _DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH_RE.search(message)
+        raise InvalidRequest(message, param=match["path"] if match else None) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    _check_unsupported(req)
+    include_reasoning = bool(req.include_reasoning) or include_reasoning_header
+    kwargs = dict(req.chat_template_kwargs or {})
+    tools = _tools(req.tools)
+    job = GenerateRequest(
+        request_id=request_id,
+        model=req.model,
+        origin="openai_chat",
+        messages=_messages(req.messages),
+        tools=tools,
+        tool_choice=_tool_choice(req.tool_choice, tools),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        sampling=_sampling(req),
+        max_tokens=_max_tokens(req),
+        min_tokens=_non_negative(req.min_tokens, "min_tokens"),
+        ignore_eos=bool(req.ignore_eos),
+        stop=_stop(req.stop),
+        chat_template_kwargs=kwargs,
+        reasoning=_reasoning(req.reasoning_effort, include_reasoning, kwargs),
+        user=req.user,
+        metadata=dict(req.metadata or {}),
+    )
+    options = ChatOptions(
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        include_reasoning=include_reasoning,
+        logprobs=bool(req.logprobs),
+    )
+    return ParsedChat(job=job, options=options)
+
+
+def _check_unsupported(req: ChatRequest) -> None:
+    if req.n is not None and req.n != 1:
+        raise InvalidRequest("n must be 1: sluice returns one choice per request", param="n")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequest(
+            f"response_format type {req.response_format.type!r} is not supported: sluice has "
+            "no constrained decoding; ask for JSON in the prompt instead",
+            param="response_format",
+        )
+    if req.logit_bias:
+        raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+    if not req.messages:
+        raise InvalidRequest("messages must contain at least one message", param="messages")
+
+
+def _text(content: Content, param: str) -> list[TextPart]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [TextPart(text=content)] if content else []
+    parts: list[TextPart] = []
+    for j, part in enumerate(content):
+        if part.type == "text" and part.text is not None:
+            parts.append(TextPart(text=part.text))
+        elif part.type == "refusal" and part.refusal is not None:
+            parts.append(TextPart(text=part.refusal))
+        else:
+            raise InvalidRequest(
+                f"content part type {part.type!r} is not supported (text only)",
+                param=f"{param}[{j}]",
+            )
+    return parts
+
+
+def _messages(raw: list[_Message]) -> list[Message]:
+    out: list[Message] = []
+    call_names: dict[str, str] = {}  # tool results name their call's function for the template
+    for i, m in enumerate(raw):
+        param = f"messages[{i}]"
+        content = _text(m.content, f"{param}.content")
+        match m.role:
+            case "system" | "developer":
+                out.append(Message(role="system", content=content, name=m.name))
+            case "user":
+                out.append(Message(role="user", content=content, name=m.name))
+            case "assistant":
+                calls = [
+                    _history_call(c, f"{param}.tool_calls[{k}]")
+                    for k, c in enumerate(m.tool_calls or [])
+                ]
+                call_names.update((c.id, c.name) for c in calls)
+                reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+                out.append(
+                    Message(
+                        role="assistant",
+                        content=content,
+                        tool_calls=calls,
+                        reasoning=reasoning or None,
+                        name=m.name,
+                    )
+                )
+            case "tool" | "function":
+                if m.role == "tool" and not m.tool_call_id:
+                    raise InvalidRequest(
+                        "a tool message needs tool_call_id", param=f"{param}.tool_call_id"
+                    )
+                name = m.name or call_names.get(m.tool_call_id or "")
+                out.append(
+                    Message(role="tool", content=content, tool_call_id=m.tool_call_id, name=name)
+                )
+            case _:
+                raise InvalidRequest(f"unknown message role {m.role!r}", param=f"{param}.role")
+    return out
+
+
+def _history_call(call: _ToolCall, param: str) -> ToolCall:
+    if call.type != "function":
+        raise InvalidRequest(f"tool call type {call.type!r} is not supported", param=param)
+    args = call.function.arguments
+    text = args if isinstance(args, str) else msgspec.json.encode(args).decode()
+    return ToolCall(id=call.id, name=call.function.name, arguments=text or "{}")
+
+
+def _tools(raw: list[_Tool] | None) -> list[ToolDef]:
+    out: list[ToolDef] = []
+    for i, tool in enumerate(raw or []):
+        if tool.type != "function" or tool.function is None:
+            raise InvalidRequest(
+                f"tool type {tool.type!r} is not supported (function tools only)",
+                param=f"tools[{i}]",
+            )
+        fn = tool.function
+        out.append(
+            ToolDef(name=fn.name, description=fn.description, parameters=fn.parameters or {})
+        )
+    return out
+
+
+def _tool_choice(raw: str | JsonObject | None, tools: list[ToolDef]) -> ToolChoice:
+    names = {t.name for t in tools}
+    if raw is None:
+        return ToolChoice(mode="auto" if tools else "none")
+    if isinstance(raw, str):
+        if raw not in ("none", "auto", "required"):
+            raise InvalidRequest(f"unknown tool_choice {raw!r}", param="tool_choice")
+        if raw == "required" and not tools:
+            raise InvalidRequest("tool_choice 'required' needs tools", param="tool_choice")
+        return ToolChoice(mode=raw)  # type: ignore[arg-type]  # narrowed by the check above
+    fn = raw.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if raw.get("type") != "function" or not isinstance(name, str):
+        raise InvalidRequest(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    if name not in names:
+        raise InvalidRequest(f"tool_choice names unknown tool {name!r}", param="tool_choice")
+    return ToolChoice(mode="named", name=name)
+
+
+def _check_range(value: float | None, low: float, high: float, param: str) -> None:
+    if value is not None and not low <= value <= high:
+        raise InvalidRequest(f"{param} must be between {low} and {high}", param=param)
+
+
+def _sampling(req: ChatRequest) -> SamplingParams:
+    _check_range(req.temperature, 0.0, 2.0, "temperature")
+    _check_range(req.top_p, 0.0, 1.0, "top_p")
+    _check_range(req.min_p, 0.0, 1.0, "min_p")
+    _check_range(req.presence_penalty, -2.0, 2.0, "presence_penalty")
+    _check_range(req.frequency_penalty, -2.0, 2.0, "frequency_penalty")
+    _check_range(req.top_logprobs, 0, 20, "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
+        raise InvalidRequest("repetition_penalty must be positive", param="repetition_penalty")
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        # vLLM's convention: top_k 0 or -1 means "no top-k"
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
+        min_p=req.min_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0,
+    )
+
+
+def _max_tokens(req: ChatRequest) -> int | None:
+    # max_completion_tokens is the current name; max_tokens is deprecated but still common.
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    value = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if value is not None and value < 1:
+        raise InvalidRequest(f"{param} must be at least 1", param=param)
+    return value
+
+
+def _non_negative(value: int | None, param: str) -> int:
+    if value is not None and value < 0:
+        raise InvalidRequest(f"{param} must not be negative", param=param)
+    return value or 0
+
+
+def _stop(raw: str | list[str] | None) -> list[str]:
+    if raw is None:
+        return []
+    stops = [raw] if isinstance(raw, str) else raw
+    return [s for s in stops if s]
+
+
+def _reasoning(effort: str | None, visible: bool, kwargs: JsonObject) -> ReasoningControl:
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidRequest(
+            f"reasoning_effort must be one of {', '.join(_EFFORTS)}", param="reasoning_effort"
+        )
+    explicit = effort is not None or any(k in kwargs for k in _TEMPLATE_THINKING_KEYS)
+    return ReasoningControl(
+        effort=_EFFORTS[effort] if effort is not None else None,
+        visible=visible,
+        explicit=explicit,
+    )

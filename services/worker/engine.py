@@ -1,0 +1,203 @@
+"""The torch ``Backend``: model loading at start-up and the asyncio face of the decode loop.
+
+Owns ``load_backend`` (settings + model spec -> a ready backend) and ``TorchBackend``, whose
+``generate`` resolves the prompt ids, the sampling config and the seeded generator, submits a
+``Sequence`` to the ``Scheduler`` thread and relays its event batches from an asyncio queue.
+Closing the iterator early cancels: the slot is freed before ``aclose`` returns. Knows nothing
+about Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import torch
+
+from services.worker.loaders import LoadedModel, load_model
+from services.worker.sampling import SamplingConfig
+from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, Sequence
+from shared.config import Settings
+from shared.errors import ContextOverflow, InvalidRequest
+from shared.events import AnyEvent, Finish, is_terminal
+from shared.jobs import GenerateRequest
+from shared.model_card import ModelCard
+
+__all__ = ["TorchBackend", "load_backend", "sampling_config"]
+
+
+def sampling_config(job: GenerateRequest, card: ModelCard) -> SamplingConfig:
+    """Resolve a job's sampling knobs over the model's generation_config defaults."""
+    s = job.sampling
+    temperature = s.temperature if s.temperature is not None else card.default_temperature
+    top_p = s.top_p if s.top_p is not None else card.default_top_p
+    top_k = s.top_k if s.top_k is not None else card.default_top_k
+    return SamplingConfig(
+        temperature=1.0 if temperature is None else float(temperature),
+        top_k=int(top_k or 0),
+        top_p=1.0 if top_p is None else float(top_p),
+        min_p=float(s.min_p or 0.0),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+    )
+
+
+class TorchBackend:
+    """Continuous-batching inference over one loaded model (implements ``Backend``)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch: int,
+        reasoning_when_hidden: bool = False,
+        make_decoder: DecoderFactory | None = None,
+    ) -> None:
+        """Wrap a loaded model; ``make_decoder`` defaults to the real ``OutputDecoder``."""
+        from shared.prompt import PromptRenderer
+
+        self.loaded = loaded
+        self.card: ModelCard = loaded.card
+        self.max_batch = max_batch
+        self.renderer = PromptRenderer(
+            loaded.card, loaded.tokenizer, reasoning_when_hidden=reasoning_when_hidden
+        )
+        self.scheduler = Scheduler(
+            loaded.model,
+            loaded.tokenizer,
+            eos_ids=list(loaded.card.eos_token_ids),
+            max_batch=max_batch,
+            device=loaded.device,
+            dtype=loaded.dtype,
+            make_decoder=make_decoder or self._output_decoder,
+        )
+
+    def _output_decoder(
+        self, job: GenerateRequest, prompt_tokens: int, cached: int, in_reasoning: bool
+    ) -> DecoderLike:
+        from services.worker.parsing.decoder import OutputDecoder
+
+        return OutputDecoder(
+            tokenizer=self.loaded.tokenizer,
+            card=self.card,
+            job=job,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            starts_in_reasoning=in_reasoning,
+        )
+
+    async def start(self) -> None:
+        """Start the decode loop thread."""
+        self.scheduler.start()
+
+    async def stop(self) -> None:
+        """Stop the decode loop; in-flight iterators raise."""
+        await asyncio.to_thread(self.scheduler.stop)
+
+    def _prompt(self, job: GenerateRequest) -> tuple[list[int], bool]:
+        from shared.prompt import starts_in_reasoning
+
+        if job.prompt_token_ids is not None:
+            ids = list(job.prompt_token_ids)
+            return ids, starts_in_reasoning(ids, self.card.reasoning)
+        rendered = self.renderer.render(job)
+        return list(rendered.token_ids), rendered.starts_in_reasoning
+
+    async def generate(
+        self, job: GenerateRequest, resume_token_ids: list[int], attempt: int
+    ) -> AsyncIterator[list[AnyEvent]]:
+        """Yield the job's events step by step: Start, deltas, then Usage and Finish.
+
+        Raises:
+            InvalidRequest: empty prompt or token ids outside the vocabulary.
+            ContextOverflow: the prompt leaves no room to generate.
+        """
+        prompt, in_reasoning = self._prompt(job)
+        ctx = self.scheduler.context_length
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if max(prompt) >= self.scheduler.vocab or min(prompt) < 0:
+            raise InvalidRequest("prompt token ids outside the model's vocabulary")
+        if len(prompt) + len(resume_token_ids) >= ctx:
+            raise ContextOverflow(
+                f"prompt of {len(prompt)} tokens leaves no room in the {ctx}-token context"
+            )
+        generator = None
+        if job.sampling.seed is not None:
+            generator = torch.Generator().manual_seed(job.sampling.seed)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[AnyEvent] | BaseException] = asyncio.Queue()
+        freed = loop.create_future()
+
+        def on_freed() -> None:
+            loop.call_soon_threadsafe(lambda: freed.done() or freed.set_result(None))
+
+        seq = Sequence(
+            job=job,
+            prompt=prompt,
+            resume=list(resume_token_ids),
+            attempt=attempt,
+            starts_in_reasoning=in_reasoning,
+            sampling=sampling_config(job, self.card),
+            generator=generator,
+            max_new=job.max_tokens if job.max_tokens is not None else ctx - len(prompt),
+            emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+            on_freed=on_freed,
+        )
+        if seq.sampling.presence_penalty or seq.sampling.frequency_penalty:
+            seq.counts = torch.zeros(self.scheduler.vocab)
+        if seq.sampling.repetition_penalty != 1.0:
+            seen = torch.zeros(self.scheduler.vocab, dtype=torch.bool)
+            seen[prompt] = True
+            seq.seen = seen
+        if seq.max_new <= 0:
+            raise InvalidRequest("max_tokens must be at least 1")
+        self.scheduler.submit(seq)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = any(is_terminal(e) for e in item)
+                yield item
+        finally:
+            if not finished:
+                self.scheduler.cancel(seq)
+                await freed
+
+    async def collect(self, job: GenerateRequest) -> list[AnyEvent]:
+        """Run a job to completion and return all its events (benchmarks, tests, native API)."""
+        events: list[AnyEvent] = []
+        async for batch in self.generate(job, [], 1):
+            events.extend(batch)
+            if isinstance(batch[-1], Finish):
+                break
+        return events
+
+
+def load_backend(settings: Settings, model_spec: str, name: str | None) -> TorchBackend:
+    """Load ``model_spec`` and build the backend the worker serves.
+
+    Args:
+        settings: device, dtype, threads, max_batch, reasoning default.
+        model_spec: ``"smollm2"``, a ``.gguf`` path, or a Hugging Face directory.
+        name: public model id (default: derived from the spec).
+
+    Returns:
+        A backend; call ``await backend.start()`` before ``generate``.
+
+    Raises:
+        ModelLoadError: the model cannot be loaded (the message says why).
+    """
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    loaded = load_model(
+        model_spec, name=name or settings.model_name, device=settings.device, dtype=settings.dtype
+    )
+    return TorchBackend(
+        loaded,
+        max_batch=settings.max_batch,
+        reasoning_when_hidden=settings.reasoning_when_hidden,
+    )

@@ -1,0 +1,90 @@
+"""The worker's periodic pulse: heartbeat hash, worker registry and request leases.
+
+Every ``heartbeat_s`` one pipeline (one round trip, whatever the number of active requests)
+writes ``sluice:worker:{wid}`` (model, slots, active, version; TTL three beats), scores the worker
+in ``sluice:workers``, and refreshes the lease of every request this worker is generating while
+reading its cancel flag. Per-step cancellation is the publisher's job (the flag rides on every
+publish); this loop only rescues a request whose step is stuck (e.g. a long prefill), by
+cancelling its task once it has been silent for a beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from importlib import metadata
+
+from redis.exceptions import NoScriptError, RedisError
+
+from services.worker.jobs import WorkerContext
+from services.worker.publisher import REFRESH
+from shared import keys
+
+__all__ = ["beat_once", "heartbeat_loop", "retire"]
+
+log = logging.getLogger(__name__)
+
+try:
+    VERSION = metadata.version("sluice")
+except metadata.PackageNotFoundError:  # running from a source tree without installing
+    VERSION = "0+unknown"
+
+
+async def beat_once(wc: WorkerContext) -> None:
+    """One heartbeat: registry entries plus every active lease, in one pipeline."""
+    now_ms = int(time.time() * 1000)
+    ttl_ms = int(wc.settings.heartbeat_s * 3000)
+    lease_ms = int(wc.settings.lease_ttl_s * 1000)
+    active = list(wc.active.values())
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        pipe.hset(
+            keys.worker(wc.wid),
+            mapping={
+                "model": wc.name,
+                "slots": wc.backend.max_batch,
+                "active": len(active),
+                "version": VERSION,
+                "started": int(wc.started),
+            },
+        )
+        pipe.pexpire(keys.worker(wc.wid), ttl_ms)
+        pipe.zadd(keys.workers(), {wc.wid: now_ms})
+        # Anything not seen for a minute is gone: keep the registry from growing forever.
+        pipe.zremrangebyscore(keys.workers(), "-inf", now_ms - max(ttl_ms, 60_000))
+        for job in active:
+            REFRESH.queue(pipe, [keys.lease(job.rid), keys.cancel(job.rid)], [wc.wid, lease_ms])
+        results = await pipe.execute(raise_on_error=False)
+    if any(isinstance(r, NoScriptError) for r in results):
+        await REFRESH.load(wc.redis)  # Redis restarted and lost its script cache; next beat works
+        return
+    for job, result in zip(active, results[4:], strict=True):
+        if isinstance(result, Exception):
+            log.warning("%s: lease refresh failed: %s", job.rid, result)
+            continue
+        if result < 0:
+            job.lease_lost = True
+        elif result == 1:
+            job.cancel_requested = True
+        stuck = time.monotonic() - job.last_step > wc.settings.heartbeat_s
+        if (job.lease_lost or job.cancel_requested) and stuck and job.task is not None:
+            job.task.cancel()  # the publish path would see it too, but this step is stuck
+
+
+async def heartbeat_loop(wc: WorkerContext) -> None:
+    """Beat every ``heartbeat_s`` until cancelled; Redis hiccups are logged, not fatal."""
+    await REFRESH.load(wc.redis)
+    while True:
+        try:
+            await beat_once(wc)
+        except RedisError as exc:
+            log.warning("heartbeat failed: %s", exc)
+        await asyncio.sleep(wc.settings.heartbeat_s)
+
+
+async def retire(wc: WorkerContext) -> None:
+    """Remove this worker from the registry (clean shutdown)."""
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        pipe.delete(keys.worker(wc.wid))
+        pipe.zrem(keys.workers(), wc.wid)
+        await pipe.execute()

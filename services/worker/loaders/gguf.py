@@ -1,0 +1,200 @@
+"""Load a GGUF file: dequantize tensors, undo llama.cpp's Q/K permutation, rebuild the tokenizer.
+
+Owns the GGUF -> Hugging Face name mapping and the metadata -> config mapping. Quantized blocks
+are dequantized once at load (numpy, ``gguf.quants``) into dense weights.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType, GGUFReader
+from gguf.quants import dequantize
+from tokenizers import Tokenizer
+
+from services.worker.loaders import ModelLoadError, build_card
+from services.worker.loaders.tokenizer import TokenizerError, build_gguf_tokenizer
+from services.worker.models import MODELS
+from services.worker.models.llama import LlamaModel, WeightError
+from shared.model_card import ModelCard
+
+__all__ = ["SUPPORTED_TYPES", "load_gguf", "read_metadata", "unpermute_qk"]
+
+SUPPORTED_TYPES = frozenset(
+    {
+        QType.F32,
+        QType.F16,
+        QType.BF16,
+        QType.Q4_0,
+        QType.Q4_1,
+        QType.Q5_0,
+        QType.Q5_1,
+        QType.Q8_0,
+        QType.Q4_K,
+        QType.Q5_K,
+        QType.Q6_K,
+    }
+)
+# llama.cpp permutes q/k rows for these architectures only (convert_hf_to_gguf LlamaModel).
+_PERMUTED_ARCHS = frozenset({"llama", "mistral"})
+
+_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's interleaved-RoPE row order of a q or k projection (per head)."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def hf_name(name: str) -> str:
+    """Map a GGUF tensor name to its Hugging Face name.
+
+    Raises:
+        ModelLoadError: a tensor name this loader does not know.
+    """
+    m = _BLOCK.fullmatch(name)
+    if m and m.group(2) in _NAMES:
+        return f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}.{m.group(3)}"
+    base, _, kind = name.rpartition(".")
+    if base in _TOP:
+        return f"{_TOP[base]}.{kind}"
+    raise ModelLoadError(f"unknown GGUF tensor {name!r}")
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All key/value metadata as Python values."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _config(meta: dict[str, Any], arch: str, vocab: int, tied: bool) -> dict[str, Any]:
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return {
+        "vocab_size": int(get("vocab_size", vocab)),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": tied,
+    }
+
+
+def _tensors(reader: GGUFReader, arch: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        qtype = QType(t.tensor_type)
+        if qtype not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"tensor {t.name}: unsupported quantization type {qtype.name}; supported: "
+                f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))}"
+            )
+        shape = tuple(reversed([int(x) for x in t.shape]))  # ggml ne order is [in, out]
+        try:
+            a = dequantize(t.data, qtype).reshape(shape)
+        except (ValueError, AssertionError) as exc:
+            raise ModelLoadError(f"tensor {t.name}: corrupt data ({exc})") from exc
+        if arch in _PERMUTED_ARCHS and t.name.endswith("attn_q.weight"):
+            a = unpermute_qk(a, cfg["num_attention_heads"])
+        elif arch in _PERMUTED_ARCHS and t.name.endswith("attn_k.weight"):
+            a = unpermute_qk(a, cfg["num_key_value_heads"])
+        out[hf_name(t.name)] = torch.from_numpy(np.array(a, dtype=np.float32))  # copy off the mmap
+    return out
+
+
+def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    try:
+        return build_gguf_tokenizer(
+            str(meta.get("tokenizer.ggml.model")),
+            meta.get("tokenizer.ggml.pre"),
+            meta["tokenizer.ggml.tokens"],
+            meta.get("tokenizer.ggml.token_type") or [],
+            meta.get("tokenizer.ggml.merges") or [],
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"GGUF has no tokenizer metadata ({exc})") from exc
+    except TokenizerError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard]:
+    """Load a GGUF file into an fp32 CPU model, its tokenizer and its card.
+
+    Raises:
+        ModelLoadError: unreadable file, unknown architecture or tensor, unsupported quant type,
+            wrongly shaped or non-finite tensor, or unsupported tokenizer.
+    """
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf raises bare ValueError/OSError/struct errors on bad files
+        raise ModelLoadError(f"cannot read GGUF {str(path)!r}: {exc}") from exc
+    meta = read_metadata(reader)
+    arch = str(meta.get("general.architecture"))
+    model_cls = MODELS.get(arch)
+    if model_cls is None:
+        raise ModelLoadError(
+            f"unknown architecture {arch!r} in {path.name}; supported: {', '.join(sorted(MODELS))}"
+        )
+    tokenizer = _tokenizer(meta)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported")
+    try:
+        cfg = _config(meta, arch, tokenizer.get_vocab_size(), tied="output.weight" not in names)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path.name}: missing or bad {arch}.* hyper-parameters") from exc
+    model = model_cls(model_cls.config_from_hf(cfg))
+    try:
+        model.load_hf_weights(_tensors(reader, arch, cfg))
+    except WeightError as exc:
+        raise ModelLoadError(f"{path.name}: {exc}") from exc
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{key}")
+        return int(value) if value is not None else None
+
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    eos_ids = [i for i in (eos, token("eot_token_id"), token("eom_token_id")) if i is not None]
+    card = build_card(
+        name=name,
+        architecture=arch,
+        context_length=model.config.context_length,
+        tokenizer=tokenizer,
+        chat_template=str(meta.get("tokenizer.chat_template") or ""),
+        bos_token=tokens[bos] if bos is not None else None,
+        eos_token=tokens[eos] if eos is not None else None,
+        eos_token_ids=list(dict.fromkeys(eos_ids)),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        source=str(path),
+    )
+    return model, tokenizer, card

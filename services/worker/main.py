@@ -1,0 +1,227 @@
+"""Worker start-up: load a backend, publish its card, run the arq worker and the background loops.
+
+``run_worker`` is what ``sluice worker`` calls. ``start_worker`` starts everything as tasks on
+the running event loop and returns a ``RunningWorker`` (the test harness uses it directly).
+
+arq is configured against its measured pitfalls (docs/benchmarks.md, handbook redis-arq.md):
+explicit keyword arguments (``WorkerSettings`` inheritance is silently ignored), msgpack envelopes
+(never pickle), ``max_jobs`` = the backend's batch size, a short ``poll_delay``, ``max_tries=1`` and
+no retries (our lease + sweeper recover crashed requests, continuing instead of restarting), a
+long ``job_timeout`` (a generation is not a stuck job), and a health-check key per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from arq.connections import ArqRedis
+from arq.worker import Worker, func
+from redis.exceptions import RedisError
+
+from services.worker.backend import Backend
+from services.worker.heartbeat import beat_once, heartbeat_loop, retire
+from services.worker.jobs import CTX_KEY, FUNCTION_NAME, WorkerContext, generate
+from services.worker.publisher import ACQUIRE, PUBLISH, RELEASE
+from services.worker.recovery import sweep_loop
+from shared import keys
+from shared.config import Settings
+from shared.model_card import encode_card
+
+__all__ = [
+    "JOB_TIMEOUT_S",
+    "SHUTDOWN_GRACE_S",
+    "RunningWorker",
+    "arq_deserialize",
+    "arq_serialize",
+    "load_backend",
+    "run_worker",
+    "start_worker",
+]
+
+log = logging.getLogger(__name__)
+
+JOB_TIMEOUT_S = 6 * 3600  # arq's per-job timeout: only a backstop, leases handle crashes
+SHUTDOWN_GRACE_S = 5.0  # SIGTERM: let in-flight requests finish this long, then hand them over
+
+# arq stores failure results as exception objects; msgpack cannot, so they become their repr.
+_ARQ_ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)
+
+
+def arq_serialize(obj: Any) -> bytes:
+    """arq ``job_serializer``: msgpack (job envelopes ``{t,f,a,k,et}`` are plain data)."""
+    return _ARQ_ENCODER.encode(obj)
+
+
+def arq_deserialize(data: bytes) -> Any:
+    """arq ``job_deserializer``: msgpack, never pickle."""
+    return msgspec.msgpack.decode(data)
+
+
+def load_backend(settings: Settings, model_spec: str, name: str | None) -> Backend:
+    """``scripted:...`` builds the test double; anything else loads a model through the engine."""
+    if model_spec.startswith("scripted:") or model_spec == "scripted":
+        from services.worker.scripted import parse_spec
+
+        return parse_spec(model_spec, name)
+    from services.worker.engine import load_backend as load_engine
+
+    return load_engine(settings, model_spec, name)
+
+
+class RunningWorker:
+    """A started worker: the arq worker plus the heartbeat and recovery loops."""
+
+    def __init__(self, wc: WorkerContext, arq: ArqRedis, worker: Worker) -> None:
+        """Start the tasks (called by ``start_worker``)."""
+        self.wc = wc
+        self.arq = arq
+        self.worker = worker
+        self.main_task = asyncio.create_task(worker.async_run(), name=f"arq-{wc.wid}")
+        self._loops = [
+            asyncio.create_task(heartbeat_loop(wc), name=f"heartbeat-{wc.wid}"),
+            asyncio.create_task(sweep_loop(wc, arq, JOB_TIMEOUT_S), name=f"sweep-{wc.wid}"),
+        ]
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        """The public model id served."""
+        return self.wc.name
+
+    @property
+    def wid(self) -> str:
+        """This worker's id."""
+        return self.wc.wid
+
+    async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Graceful stop: take no new jobs, let running ones finish for ``grace_s``, then hand
+        them to a live peer (or end them with ``Error(worker_lost)``), and deregister."""
+        if self._closed:
+            return
+        self.worker.allow_pick_jobs = False
+        running = [t for t in self.worker.tasks.values() if not t.done()]
+        if running:
+            await asyncio.wait(running, timeout=grace_s)
+        self.wc.stopping = True
+        await self._cancel_all()
+        with contextlib.suppress(Exception):
+            await retire(self.wc)
+            await self.arq.delete(self.worker.health_check_key)
+        await self._close()
+
+    async def kill(self) -> None:
+        """Hard kill, as SIGKILL would: no terminal events, leases left to expire, no goodbye."""
+        if self._closed:
+            return
+        self.wc.killed = True
+        await self._cancel_all()
+        await self._close()
+
+    async def _cancel_all(self) -> None:
+        tasks = [t for t in self.worker.tasks.values() if not t.done()]
+        for t in [*tasks, self.main_task, *self._loops]:
+            t.cancel()
+        await asyncio.gather(*tasks, self.main_task, *self._loops, return_exceptions=True)
+
+    async def _close(self) -> None:
+        self._closed = True
+        await self.arq.aclose(close_connection_pool=True)
+        await self.wc.redis.aclose()
+        await self.wc.backend.stop()
+
+
+async def start_worker(
+    settings: Settings, backend: Backend, *, wid: str | None = None
+) -> RunningWorker:
+    """Start a worker for ``backend`` on the running loop: card, heartbeat, arq, sweeper."""
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    try:
+        await redis.ping()
+        await backend.start()
+    except BaseException:
+        await redis.aclose()
+        raise
+    card = msgspec.structs.replace(backend.card, created=int(time.time()))
+    name = card.name
+    wid = wid or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    wc = WorkerContext(settings=settings, redis=redis, backend=backend, name=name, wid=wid)
+    for script in (PUBLISH, ACQUIRE, RELEASE):
+        await script.load(redis)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hset(keys.model_card(name), "card", encode_card(card))
+        pipe.sadd(keys.models(), name)
+        await pipe.execute()
+    await beat_once(wc)  # registered before the first job can arrive
+    arq = ArqRedis(
+        aioredis.ConnectionPool.from_url(settings.redis_url),
+        job_serializer=arq_serialize,
+        job_deserializer=arq_deserialize,
+        default_queue_name=keys.queue(name),
+    )
+    worker = Worker(
+        functions=[func(generate, name=FUNCTION_NAME, max_tries=1)],
+        queue_name=keys.queue(name),
+        redis_pool=arq,
+        ctx={CTX_KEY: wc},
+        handle_signals=False,  # we own SIGTERM: drain, hand over, deregister
+        max_jobs=backend.max_batch,
+        poll_delay=settings.poll_delay_s,
+        job_timeout=JOB_TIMEOUT_S,
+        max_tries=1,
+        retry_jobs=False,
+        keep_result=60,  # nobody reads results (events go to the stream); ids stay taken 60 s
+        health_check_key=f"{keys.worker(wid)}:arq",
+        health_check_interval=10,
+        job_serializer=arq_serialize,
+        job_deserializer=arq_deserialize,
+        log_results=False,
+    )
+    log.info("worker %s serving %s (max_batch=%d)", wid, name, backend.max_batch)
+    return RunningWorker(wc, arq, worker)
+
+
+def run_worker(settings: Settings, model_spec: str, name: str | None) -> int:
+    """Serve ``model_spec`` until SIGTERM/SIGINT; exit code 2 when the model cannot load."""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        backend = load_backend(settings, model_spec, name)
+    except Exception as exc:  # one clear line for the operator, no traceback
+        print(f"sluice worker: cannot load model {model_spec!r}: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(settings, backend))
+
+
+async def _serve(settings: Settings, backend: Backend) -> int:
+    try:
+        running = await start_worker(settings, backend)
+    except RedisError as exc:
+        print(f"sluice worker: cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the backend's start-up (e.g. loading weights) failed
+        print(f"sluice worker: cannot start model {backend.card.name!r}: {exc}", file=sys.stderr)
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({stopper, running.main_task}, return_when=asyncio.FIRST_COMPLETED)
+    crashed = running.main_task.done() and not stop.is_set()
+    if crashed and (failure := running.main_task.exception()) is not None:
+        print(f"sluice worker: arq worker stopped: {failure}", file=sys.stderr)
+    stopper.cancel()
+    await running.stop()
+    return 1 if crashed else 0

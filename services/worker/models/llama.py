@@ -1,0 +1,290 @@
+"""The Llama architecture (SmolLM2, Llama 2/3) and the building blocks other decoders reuse.
+
+Owns the transformer forward only: RMSNorm, rotary embeddings, grouped-query attention over the
+engine's slot KV cache, SwiGLU MLP. It knows nothing about sampling, batching policy or
+tokenizers; Qwen2, Qwen3 and Mistral import these modules rather than copying them.
+
+Weights are stored fused (``qkv`` and ``gate_up``) so a decode step runs two matmuls per block
+instead of five; ``load_hf_weights`` maps Hugging Face tensor names onto them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.kv_cache import AttentionBatch, KVCache
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "Block",
+    "LlamaConfig",
+    "LlamaModel",
+    "RMSNorm",
+    "WeightError",
+    "rope_inv_freq",
+]
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing, unexpected or has the wrong shape (named in the message)."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama-family decoder (Hugging Face ``config.json`` names in comments)."""
+
+    vocab_size: int = 32000  # vocab_size
+    hidden_size: int = 4096  # hidden_size
+    intermediate_size: int = 11008  # intermediate_size
+    num_layers: int = 32  # num_hidden_layers
+    num_heads: int = 32  # num_attention_heads
+    num_kv_heads: int = 32  # num_key_value_heads (GQA when < num_heads)
+    head_dim: int = 128  # head_dim (default hidden_size // num_heads)
+    rope_theta: float = 10000.0  # rope_theta
+    rope_scaling: dict[str, Any] | None = None  # rope_scaling ({"rope_type": "llama3", ...})
+    rms_norm_eps: float = 1e-6  # rms_norm_eps
+    context_length: int = 2048  # max_position_embeddings
+    tie_word_embeddings: bool = False  # tie_word_embeddings (lm_head = embed_tokens)
+    qkv_bias: bool = False  # attention_bias (Llama) / always True for Qwen2
+    o_bias: bool = False  # attention_bias applies to o_proj in Llama, never in Qwen2
+    extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific notes
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Build a config from a Hugging Face ``config.json`` dict."""
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            context_length=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bias,
+            o_bias=bias,
+        )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with Llama 3 frequency scaling when the config asks for it."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+        inv = scaled
+    elif kind not in (None, "default"):
+        raise WeightError(f"unsupported rope scaling type {kind!r}")
+    return inv.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face RoPE convention: rotate pairs (i, i + d/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 for stability under bf16."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention that reads and writes the engine's slot KV cache."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (self.n_head + 2 * self.n_kv) * self.hd
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook for per-head q/k normalisation (Qwen3); Llama has none."""
+        return q, k
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape  # (B, T, C)
+        qkv = self.qkv(x)  # (B, T, (H + 2 KV) * hd)
+        q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        q = q.view(B, T, self.n_head, self.hd)  # (B, T, H, hd)
+        k = k.view(B, T, self.n_kv, self.hd)  # (B, T, KV, hd)
+        q, k = self.norm_qk(q, k)
+        q = q.transpose(1, 2)  # (B, H, T, hd)
+        k = k.transpose(1, 2)  # (B, KV, T, hd)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, KV, T, hd)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.write(self.layer, k, v, batch)
+        keys, values = cache.read(self.layer, batch)  # (B, KV, S, hd) each
+        y = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=batch.mask, enable_gqa=self.n_kv != self.n_head
+        )  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)  # (B, T, C)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, attention_cls: type[Attention]) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attention_cls(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _fuse(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """Concatenate projections along the output dim, naming them if their shapes disagree."""
+    parts = [tensors.pop(n) for n in names]
+    if len({p.shape[1:] for p in parts}) != 1:
+        shapes = {n: tuple(p.shape) for n, p in zip(names, parts, strict=True)}
+        raise WeightError(f"tensor shapes do not fit together: {shapes}")
+    return torch.cat(parts)
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only transformer; ``forward`` returns logits of the last ``n_logits`` positions."""
+
+    attention_cls: ClassVar[type[Attention]] = Attention
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Build the config from a Hugging Face ``config.json`` dict."""
+        return LlamaConfig.from_hf(cfg)
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [Block(cfg, i, self.attention_cls) for i in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        freqs = torch.outer(torch.arange(cfg.context_length).float(), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)  # (ctx, hd)
+        # Plain attributes, not buffers: model.to(bfloat16) must not round the fp32 tables.
+        self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
+
+    def forward(
+        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
+    ) -> torch.Tensor:
+        """Run ``idx`` (B, T) at ``batch.positions`` and return logits (B, n_logits, V) in fp32."""
+        if self.rope_cos.device != idx.device:
+            self.rope_cos, self.rope_sin = (
+                self.rope_cos.to(idx.device),
+                self.rope_sin.to(idx.device),
+            )
+        x = self.embed_tokens(idx)  # (B, T, C)
+        cos = self.rope_cos[batch.positions].unsqueeze(1).to(x.dtype)  # (B, 1, T, hd)
+        sin = self.rope_sin[batch.positions].unsqueeze(1).to(x.dtype)  # (B, 1, T, hd)
+        for block in self.layers:
+            x = block(x, cos, sin, batch, cache)
+        x = self.norm(x[:, -n_logits:])  # (B, n, C): skip the lm_head for prefill positions
+        return self.lm_head(x).float()  # (B, n, V)
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors into the fused parameters.
+
+        Raises:
+            WeightError: a tensor is missing, unexpected, or has the wrong shape.
+        """
+        tensors = dict(tensors)
+        own = self.state_dict()
+        fused: dict[str, torch.Tensor] = {}
+        for i in range(self.config.num_layers):
+            pre = f"model.layers.{i}."
+            for kind in ("weight", "bias"):
+                names = [f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv"]
+                if all(n in tensors for n in names):
+                    fused[f"layers.{i}.self_attn.qkv.{kind}"] = _fuse(tensors, names)
+            names = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
+            if all(n in tensors for n in names):
+                fused[f"layers.{i}.mlp.gate_up.weight"] = _fuse(tensors, names)
+        for name, t in tensors.items():
+            fused[name.removeprefix("model.")] = t
+        if self.config.tie_word_embeddings:
+            fused.pop("lm_head.weight", None)
+            own.pop("lm_head.weight", None)
+        missing = sorted(set(own) - set(fused))
+        unexpected = sorted(set(fused) - set(own))
+        if missing or unexpected:
+            raise WeightError(f"missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+        for name, t in fused.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise WeightError(
+                    f"tensor {name}: shape {tuple(t.shape)}, expected {tuple(own[name].shape)}"
+                )
+            if not torch.isfinite(t).all():
+                raise WeightError(f"tensor {name} holds NaN or infinite values")
+        self.load_state_dict(fused, strict=False)

@@ -1,0 +1,311 @@
+"""The continuous-batching decode loop: one thread, many sequences, one forward per step.
+
+Owns slot admission (with prefix reuse), chunked prefill interleaved with decode steps, token
+choice (forced marker, penalties, EOS masking, sampling, logprobs), stop conditions, and freeing
+slots the moment a sequence finishes or is cancelled. Events go back to each sequence's asyncio
+queue through ``loop.call_soon_threadsafe``; the asyncio side (``engine.TorchBackend``) never
+touches tensors. Knows nothing about Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from tokenizers import Tokenizer
+
+from services.worker.kv_cache import KVCache, build_batch, common_prefix
+from services.worker.sampling import (
+    SamplingConfig,
+    apply_penalties,
+    mask_tokens,
+    sample_next_token,
+    top_logprobs,
+)
+from shared.events import AnyEvent, FinishReason, Start, TokenLogprob, TopLogprob
+from shared.jobs import GenerateRequest
+
+__all__ = ["DecoderLike", "Scheduler", "Sequence"]
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds how long decoding sequences wait
+
+
+class DecoderLike(Protocol):
+    """What the scheduler needs from ``services.worker.parsing.decoder.OutputDecoder``."""
+
+    stop_reason: FinishReason | None
+
+    def feed(self, token_id: int, logprob: TokenLogprob | None = None) -> list[AnyEvent]: ...
+    def forced_next_token(self) -> int | None: ...
+    def finish(self, reason: FinishReason) -> list[AnyEvent]: ...
+
+
+DecoderFactory = Callable[[GenerateRequest, int, int, bool], DecoderLike]
+Emit = Callable[[list[AnyEvent] | BaseException], None]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state inside the loop. Mutated only by the loop thread after submission."""
+
+    job: GenerateRequest
+    prompt: list[int]
+    resume: list[int]
+    attempt: int
+    starts_in_reasoning: bool
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    max_new: int  # generated tokens allowed, resume tokens included
+    emit: Emit  # thread-safe delivery to the request's queue
+    on_freed: Callable[[], None]  # thread-safe signal that the slot is released
+    tokens: list[int] = field(default_factory=list)  # prompt + resume + generated
+    slot: int = -1
+    kv_len: int = 0  # tokens whose keys/values are in the slot
+    cached: int = 0  # prompt tokens reused from an earlier sequence
+    generated: int = 0
+    decoder: DecoderLike | None = None
+    counts: torch.Tensor | None = None  # (V,) generated-token counts, only when penalised
+    seen: torch.Tensor | None = None  # (V,) bool prompt + generated, for repetition penalty
+    cancelled: bool = False
+    done: bool = False
+
+
+class Scheduler:
+    """Runs the decode loop in its own thread over a fixed number of KV-cache slots."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        *,
+        eos_ids: list[int],
+        max_batch: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        make_decoder: DecoderFactory,
+    ) -> None:
+        """Allocate the cache; call ``start`` to run the loop."""
+        cfg = model.config
+        self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
+        self.device, self.max_batch, self.make_decoder = device, max_batch, make_decoder
+        self.context_length = int(cfg.context_length)
+        self.vocab = int(cfg.vocab_size)
+        self.cache = KVCache(
+            layers=cfg.num_layers,
+            slots=max_batch,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            max_len=self.context_length,
+            dtype=dtype,
+            device=device,
+        )
+        self._cond = threading.Condition()
+        self._pending: deque[Sequence] = deque()
+        self._active: list[Sequence] = []
+        self._free = list(range(max_batch))
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def active(self) -> int:
+        """Sequences holding a slot."""
+        return len(self._active)
+
+    def start(self) -> None:
+        """Start the loop thread."""
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="sluice-decode", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop; every sequence still in flight gets an exception."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for seq in [*self._pending, *self._active]:
+            seq.emit(RuntimeError("the engine stopped"))
+            self._release(seq)
+        self._pending.clear()
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence for admission (thread-safe)."""
+        with self._cond:
+            if self._stop or self._thread is None or not self._thread.is_alive():
+                raise RuntimeError("the engine is not running")
+            self._pending.append(seq)
+            self._cond.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Ask the loop to free ``seq``; ``seq.on_freed`` fires once it has (thread-safe)."""
+        with self._cond:
+            seq.cancelled = True
+            if seq in self._pending:  # never admitted: nothing to free in the loop
+                self._pending.remove(seq)
+                seq.done = True
+                seq.on_freed()
+            elif self._thread is None or not self._thread.is_alive():
+                self._release(seq)
+            self._cond.notify()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._stop and not self._pending and not self._active:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    self._admit()
+                try:
+                    self._step()
+                except Exception as exc:  # thread boundary: fail the batch, keep serving
+                    log.exception("decode step failed")
+                    for seq in list(self._active):
+                        seq.emit(exc)
+                        self._release(seq)
+
+    def _admit(self) -> None:
+        """Move pending sequences into free slots, preferring the slot with the longest prefix."""
+        while self._pending and self._free:
+            seq = self._pending.popleft()
+            seq.tokens = [*seq.prompt, *seq.resume]
+            limit = min(len(seq.tokens) - 1, len(seq.prompt))  # prefill at least one token
+            best = max(
+                self._free, key=lambda s: (common_prefix(self.cache.tokens[s], seq.tokens), -s)
+            )
+            self._free.remove(best)
+            seq.slot = best
+            seq.cached = min(common_prefix(self.cache.tokens[best], seq.tokens), limit)
+            seq.kv_len = seq.cached
+            self.cache.tokens[best] = []
+            self._active.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self._active:
+            self._active.remove(seq)
+            self.cache.tokens[seq.slot] = seq.tokens[: seq.kv_len]
+            self._free.append(seq.slot)
+            self._free.sort()
+        if not seq.done:
+            seq.done = True
+        seq.on_freed()
+
+    def _step(self) -> None:
+        for seq in [s for s in self._active if s.cancelled]:
+            self._release(seq)
+        prefilling = [s for s in self._active if s.decoder is None]
+        if prefilling:
+            self._prefill_chunk(prefilling[0])
+        decoding = [s for s in self._active if s.decoder is not None and not s.done]
+        if decoding:
+            self._decode(decoding)
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        end = min(len(seq.tokens), seq.kv_len + PREFILL_CHUNK)
+        chunk = seq.tokens[seq.kv_len : end]
+        self.cache.reserve(end)
+        batch = build_batch([seq.slot], [seq.kv_len], len(chunk), self.device)
+        idx = torch.tensor([chunk], dtype=torch.long, device=self.device)
+        logits = self.model(idx, batch, self.cache, n_logits=1)  # (1, 1, V)
+        seq.kv_len = end
+        if end < len(seq.tokens):
+            return
+        seq.decoder = self.make_decoder(
+            seq.job, len(seq.prompt), seq.cached, seq.starts_in_reasoning
+        )
+        for token in seq.resume:  # re-feed the lost worker's tokens; their events were published
+            seq.decoder.feed(token)
+            self._count(seq, token)
+        seq.generated = len(seq.resume)
+        start = Start(
+            request_id=seq.job.request_id,
+            model=seq.job.model,
+            prompt_tokens=len(seq.prompt),
+            cached_tokens=seq.cached,
+            attempt=seq.attempt,
+        )
+        self._advance(seq, logits[0, -1], [start])
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        self.cache.reserve(max(s.kv_len for s in seqs) + 1)
+        batch = build_batch([s.slot for s in seqs], [s.kv_len for s in seqs], 1, self.device)
+        idx = torch.tensor(
+            [[s.tokens[s.kv_len]] for s in seqs], dtype=torch.long, device=self.device
+        )
+        logits = self.model(idx, batch, self.cache, n_logits=1)[:, -1]  # (B, V)
+        for seq in seqs:
+            seq.kv_len += 1
+        rows = logits.cpu()
+        for i, seq in enumerate(seqs):
+            self._advance(seq, rows[i], [])
+
+    # -- token choice -----------------------------------------------------------------------
+
+    def _count(self, seq: Sequence, token: int) -> None:
+        if seq.counts is not None:
+            seq.counts[token] += 1
+        if seq.seen is not None:
+            seq.seen[token] = True
+
+    def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
+        assert seq.decoder is not None
+        forced = seq.decoder.forced_next_token()
+        if forced is not None:
+            return forced
+        logits = logits.float().cpu()
+        cfg = seq.sampling
+        if seq.counts is not None and seq.seen is not None:
+            logits = apply_penalties(logits, seq.counts, seq.seen, cfg)
+        if seq.job.ignore_eos or seq.generated < seq.job.min_tokens:
+            logits = mask_tokens(logits, [i for i in self.eos_ids if i < logits.numel()])
+        return sample_next_token(logits, cfg, seq.generator)
+
+    def _logprob(self, seq: Sequence, logits: torch.Tensor, token: int) -> TokenLogprob:
+        lp, top = top_logprobs(logits.float().cpu(), token, seq.job.sampling.top_logprobs)
+        decode = self.tokenizer.decode
+        text = decode([token], skip_special_tokens=False)
+        return TokenLogprob(
+            token=text,
+            logprob=lp,
+            bytes=list(text.encode()),
+            top=[
+                TopLogprob(
+                    token=(t := decode([i], skip_special_tokens=False)),
+                    logprob=v,
+                    bytes=list(t.encode()),
+                )
+                for i, v in top
+            ],
+        )
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor, events: list[AnyEvent]) -> None:
+        """Choose, feed and account one token; finish the sequence when a stop condition holds."""
+        assert seq.decoder is not None
+        token = self._choose(seq, logits)
+        logprob = self._logprob(seq, logits, token) if seq.job.sampling.logprobs else None
+        events.extend(seq.decoder.feed(token, logprob))
+        seq.tokens.append(token)
+        seq.generated += 1
+        self._count(seq, token)
+        reason: FinishReason | None = seq.decoder.stop_reason
+        if reason is None and (
+            seq.generated >= seq.max_new or len(seq.tokens) >= self.context_length
+        ):
+            reason = "max_tokens"
+        if reason is not None:
+            events.extend(seq.decoder.finish(reason))
+            self._release(seq)  # before emitting: a caller that saw Finish sees a free slot
+            seq.emit(events)
+        elif events:
+            seq.emit(events)

@@ -1,0 +1,281 @@
+"""Render a job's conversation through the model's chat template and tokenize it safely.
+
+Used by the API (render + tokenize before enqueueing, Anthropic ``count_tokens``) and by a worker
+for jobs that arrive without prompt ids. It owns three things:
+
+* the canonical job → Hugging Face message dicts conversion (``tool_calls`` with
+  ``function.arguments`` as an object, ``tool`` messages with ``tool_call_id``/``name``,
+  ``reasoning_content`` for replayed reasoning, content as one string);
+* the reasoning controls → template kwargs mapping (``enable_thinking``/``thinking`` off when the
+  effort is ``none``, or when nobody will see the reasoning and the server default says not to
+  think); the client's ``chat_template_kwargs`` always win;
+* forge-proof tokenization: text a client supplied is encoded as text even when it spells an added
+  token such as ``<|im_start|>`` or ``<think>``. The template is rendered a second time with each
+  such string replaced by a unique sentinel; the plain render is split at the positions the
+  sentinels occupy, template pieces are encoded with added-token matching and client pieces with
+  a tokenizer that treats every added token as plain text. ``text`` stays the plain render.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+import msgspec
+import tokenizers
+
+from shared.chat_template import TemplateError, render_chat_template, template_mentions
+from shared.jobs import GenerateRequest, Message, ToolDef
+from shared.model_card import ModelCard, ReasoningMarkers
+
+__all__ = [
+    "PromptRenderer",
+    "RenderedPrompt",
+    "hf_messages",
+    "hf_tools",
+    "starts_in_reasoning",
+    "template_kwargs",
+]
+
+# chat_template_kwargs keys that are render_chat_template's own parameters, not free variables.
+_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# Keys whose values we write ourselves (never client text), so they are never sentinel-ized.
+_OWN_KEYS = frozenset({"role", "type"})
+
+
+class RenderedPrompt(msgspec.Struct, frozen=True):
+    """A rendered, tokenized prompt."""
+
+    text: str
+    token_ids: list[int]
+    starts_in_reasoning: bool
+
+
+def starts_in_reasoning(prompt_token_ids: list[int], markers: ReasoningMarkers | None) -> bool:
+    """Return True when the prompt ends inside an open reasoning block.
+
+    That is the case when the last reasoning marker in the prompt is the open marker (a template
+    that pre-opens ``<think>`` in the generation prompt, DeepSeek-R1 or Qwen3 style).
+    """
+    if markers is None:
+        return False
+    for token_id in reversed(prompt_token_ids):
+        if token_id == markers.open_id:
+            return True
+        if token_id == markers.close_id:
+            return False
+    return False
+
+
+def _arguments(raw: str) -> Any:
+    # Templates expect an object (many apply ``tojson``); keep the text if it is not JSON.
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _hf_message(message: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.text}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.role == "tool" and message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.reasoning is not None:
+        out["reasoning_content"] = message.reasoning
+    return out
+
+
+def hf_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Convert canonical messages into the dicts chat templates expect."""
+    return [_hf_message(m) for m in messages]
+
+
+def _hf_tool(tool: ToolDef) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    function["parameters"] = tool.parameters
+    return {"type": "function", "function": function}
+
+
+def hf_tools(tools: list[ToolDef]) -> list[dict[str, Any]] | None:
+    """Convert tool definitions into OpenAI-style function dicts (None when there are none)."""
+    return [_hf_tool(t) for t in tools] or None
+
+
+def template_kwargs(
+    job: GenerateRequest, template: str, *, reasoning_when_hidden: bool = False
+) -> dict[str, Any]:
+    """The free template variables for a job: reasoning switches, then the client's kwargs.
+
+    Thinking is switched off (``enable_thinking=False`` and ``thinking=False``, where the template
+    reads them) when the effort is ``none`` or the budget is 0, or when the caller will not see
+    reasoning, did not ask for any, and the server default ``reasoning_when_hidden`` is off.
+    ``chat_template_kwargs`` are applied last, so an explicit client value always wins.
+    """
+    control = job.reasoning
+    hidden_default_off = not control.visible and not control.explicit and not reasoning_when_hidden
+    disable = control.effort == "none" or control.budget_tokens == 0 or hidden_default_off
+    out: dict[str, Any] = {}
+    if disable:
+        for name in ("enable_thinking", "thinking"):
+            if template_mentions(template, name):
+                out[name] = False
+    elif control.effort is not None and template_mentions(template, "reasoning_effort"):
+        out["reasoning_effort"] = control.effort
+    out.update(job.chat_template_kwargs)
+    return out
+
+
+def _text_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of ``tokenizer`` that never matches an added token: client text stays text."""
+    data = json.loads(tokenizer.to_str())
+    for added in data.get("added_tokens") or []:
+        added["special"] = True  # encode_special_tokens only skips tokens marked special
+    copy = tokenizers.Tokenizer.from_str(json.dumps(data))
+    copy.encode_special_tokens = True
+    return copy
+
+
+class PromptRenderer:
+    """Renders and tokenizes jobs for one model card.
+
+    Args:
+        card: The model card (template, tokenizer JSON, bos/eos, reasoning markers).
+        tokenizer: A tokenizer built from ``card.tokenizer_json``; built here when None.
+        reasoning_when_hidden: Server default: think even when the caller will not see it.
+    """
+
+    def __init__(
+        self,
+        card: ModelCard,
+        tokenizer: tokenizers.Tokenizer | None = None,
+        *,
+        reasoning_when_hidden: bool = False,
+    ) -> None:
+        self.card = card
+        self.tokenizer = tokenizer or tokenizers.Tokenizer.from_str(card.tokenizer_json)
+        self.reasoning_when_hidden = reasoning_when_hidden
+        self._text_tokenizer = _text_tokenizer(self.tokenizer)
+        added = self.tokenizer.get_added_tokens_decoder().values()
+        self._added = sorted({t.content for t in added if t.content}, key=len, reverse=True)
+        self._bos_id = self.tokenizer.token_to_id(card.bos_token) if card.bos_token else None
+
+    def render(self, job: GenerateRequest) -> RenderedPrompt:
+        """Render the job's messages and tools, tokenize, and find the initial reasoning state.
+
+        Raises:
+            TemplateError: the template failed, or client text spelling a control token could not
+                be isolated from the template's own text.
+        """
+        messages = hf_messages(job.messages)
+        tools = hf_tools(job.tools)
+        kwargs = template_kwargs(
+            job, self.card.chat_template, reasoning_when_hidden=self.reasoning_when_hidden
+        )
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
+        for key in _RESERVED:
+            kwargs.pop(key, None)
+        kwargs.setdefault("bos_token", self.card.bos_token)
+        kwargs.setdefault("eos_token", self.card.eos_token)
+
+        def render(msgs: list[dict[str, Any]], tls: list[dict[str, Any]] | None) -> str:
+            return render_chat_template(
+                self.card.chat_template,
+                msgs,
+                tools=tls,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+
+        text = render(messages, tools)
+        originals: list[str] = []
+        nonce = uuid.uuid4().hex[:12]
+        masked = self._mask({"m": messages, "t": tools}, originals, nonce)
+        if originals:
+            masked_text = render(masked["m"], masked["t"])
+            ids = self._encode_isolated(text, masked_text, originals, nonce)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if (
+            self.card.add_bos_token
+            and self._bos_id is not None
+            and self.card.bos_token
+            and not text.startswith(self.card.bos_token)
+        ):
+            ids = [self._bos_id, *ids]
+        opened = starts_in_reasoning(ids, self.card.reasoning)
+        return RenderedPrompt(text=text, token_ids=ids, starts_in_reasoning=opened)
+
+    def count_tokens(self, job: GenerateRequest) -> int:
+        """Number of prompt tokens the job renders to (Anthropic ``count_tokens``)."""
+        return len(self.render(job).token_ids)
+
+    def _mask(self, value: Any, originals: list[str], nonce: str, key: str = "") -> Any:
+        """Replace every client string that contains an added token's text with a sentinel."""
+        if isinstance(value, str):
+            if key in _OWN_KEYS or not any(tok in value for tok in self._added):
+                return value
+            originals.append(value)
+            return f"\u2063{nonce}{len(originals) - 1}\u2063"
+        if isinstance(value, dict):
+            return {k: self._mask(v, originals, nonce, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._mask(v, originals, nonce, key) for v in value]
+        return value
+
+    def _encode_isolated(
+        self, text: str, masked: str, originals: list[str], nonce: str
+    ) -> list[int]:
+        """Encode ``text`` with each client string (located through ``masked``) as plain text."""
+        parts = re.split(f"\u2063{nonce}(\\d+)\u2063", masked)
+        ids: list[int] = []
+        pos = 0
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                if not text.startswith(part, pos):
+                    raise TemplateError("template renders client text it cannot isolate")
+                ids += self.tokenizer.encode(part, add_special_tokens=False).ids
+                pos += len(part)
+                continue
+            following = parts[k + 1]
+            for candidate in _renderings(originals[int(part)]):
+                end = pos + len(candidate)
+                if text.startswith(candidate, pos) and text.startswith(following, end):
+                    ids += self._text_tokenizer.encode(candidate, add_special_tokens=False).ids
+                    pos = end
+                    break
+            else:
+                raise TemplateError("template transforms client text it cannot isolate")
+        if pos != len(text):
+            raise TemplateError("template renders client text it cannot isolate")
+        return ids
+
+
+def _renderings(value: str) -> list[str]:
+    """The forms a template commonly writes a string in: as is, trimmed, or JSON-escaped."""
+    escaped = json.dumps(value, ensure_ascii=False)[1:-1]
+    forms = [
+        value,
+        value.strip(),
+        value.strip("\n"),
+        value.lstrip("\n"),
+        value.rstrip("\n"),
+        value.lstrip(),
+        value.rstrip(),
+        escaped,
+        json.dumps(value)[1:-1],
+    ]
+    return list(dict.fromkeys(forms))

@@ -1,0 +1,173 @@
+"""The openai SDK parses every golden Chat Completions transcript, served over real HTTP.
+
+A tiny Starlette app on a real uvicorn server returns the golden bytes for streaming requests and
+``render(fold(events))`` for non-streaming ones, picked by ``metadata.golden``. Parity: the SDK's
+stream helper reconstructs exactly the non-streaming response from the same events.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import openai
+import pytest
+import uvicorn
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from services.api.errors import openai_error_body
+from services.api.wire.openai_chat import error_from_event, render
+from shared.accumulate import fold
+from shared.events import Error
+from tests.factories import SCENARIOS
+from tests.golden.test_openai_chat import GOLDEN_DIR, context, golden_cases
+from tests.invariants import check_stream
+
+CASES = {c[0]: c for c in golden_cases()}
+FINISHED = [stem for stem, scenario, _, _ in CASES.values() if "error" not in scenario]
+FAILED = [stem for stem, scenario, _, _ in CASES.values() if "error" in scenario]
+
+
+async def _completions(request: Request) -> Response:
+    body = json.loads(await request.body())
+    stem, scenario, usage, shown = CASES[body["metadata"]["golden"]]
+    if body.get("stream"):
+        data = (GOLDEN_DIR / f"{stem}.sse").read_bytes()
+        return Response(data, media_type="text/event-stream; charset=utf-8")
+    events = SCENARIOS[scenario]()
+    check_stream(events)
+    completion = fold(events)
+    if completion.error is not None:
+        status, err = openai_error_body(error_from_event(completion.error))
+        return Response(json.dumps(err), status_code=status, media_type="application/json")
+    ctx = context(include_usage=usage, include_reasoning=shown)
+    return Response(msgspec.json.encode(render(completion, ctx)), media_type="application/json")
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    """A real uvicorn server in a thread, serving the golden transcripts."""
+    app = Starlette(routes=[Route("/v1/chat/completions", _completions, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    """The official SDK client, no retries (a retry would hide a failure)."""
+    with openai.OpenAI(base_url=base_url, api_key="test", max_retries=0) as c:
+        yield c
+
+
+def _request(stem: str) -> dict[str, object]:
+    _, _, usage, _ = CASES[stem]
+    return {
+        "model": "tiny-test",
+        "messages": [{"role": "user", "content": "hi"}],
+        "metadata": {"golden": stem},
+        **({"stream_options": {"include_usage": True}} if usage else {}),
+    }
+
+
+def _summary(completion: ChatCompletion) -> dict[str, object]:
+    """The fields a client consumes, in comparable form."""
+    choice = completion.choices[0]
+    message = choice.message
+    extra = message.model_extra or {}
+    return {
+        "id": completion.id,
+        "model": completion.model,
+        "role": message.role,
+        "content": message.content,
+        "reasoning_content": extra.get("reasoning_content"),
+        "tool_calls": [
+            (c.id, c.type, c.function.name, c.function.arguments)
+            for c in message.tool_calls or []
+            if c.type == "function"
+        ],
+        "finish_reason": choice.finish_reason,
+        "usage": completion.usage.model_dump() if completion.usage else None,
+    }
+
+
+@pytest.mark.parametrize("stem", FINISHED)
+def test_stream_helper_reconstructs_the_non_streaming_response(
+    client: openai.OpenAI, stem: str
+) -> None:
+    _, scenario, usage, _ = CASES[stem]
+    expected = client.chat.completions.create(**_request(stem))  # type: ignore[call-overload]
+    with client.chat.completions.stream(**_request(stem)) as stream:  # type: ignore[arg-type]
+        kinds = [event.type for event in stream]
+        if scenario == "max_tokens":
+            # The helper raises on "length" by design; the snapshot still holds the answer.
+            with pytest.raises(openai.LengthFinishReasonError):
+                stream.get_final_completion()
+            streamed: ChatCompletion = stream.current_completion_snapshot
+        else:
+            streamed = stream.get_final_completion()
+    want = _summary(expected)
+    if not usage:
+        want["usage"] = None  # usage is streamed only on request
+    assert _summary(streamed) == want
+    assert "chunk" in kinds
+    for _, _, _, arguments in want["tool_calls"]:  # type: ignore[attr-defined]
+        assert isinstance(json.loads(arguments), dict)
+    if want["tool_calls"]:
+        assert "tool_calls.function.arguments.done" in kinds
+
+
+@pytest.mark.parametrize("stem", FINISHED)
+def test_raw_stream_chunks_follow_the_chat_rules(client: openai.OpenAI, stem: str) -> None:
+    _, _, usage, _ = CASES[stem]
+    chunks = list(client.chat.completions.create(stream=True, **_request(stem)))  # type: ignore[call-overload]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    roles = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+    assert roles == ["assistant"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] is not None and all(f is None for f in finishes[:-1])
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    snapshot = state.current_completion_snapshot
+    if usage:
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert all(c.usage is None for c in chunks[:-1])
+        assert snapshot.usage is not None and snapshot.usage.prompt_tokens_details is not None
+    else:
+        assert all(c.usage is None for c in chunks)
+
+
+@pytest.mark.parametrize("stem", FAILED)
+def test_in_band_error_raises_api_error(client: openai.OpenAI, stem: str) -> None:
+    _, scenario, _, _ = CASES[stem]
+    error = SCENARIOS[scenario]()[-1]
+    assert isinstance(error, Error)
+    with pytest.raises(openai.APIError) as info:
+        for _ in client.chat.completions.create(stream=True, **_request(stem)):  # type: ignore[call-overload]
+            pass
+    assert info.value.message == error.message
+    with (
+        pytest.raises(openai.APIError, match=r"device-side|no worker"),
+        client.chat.completions.stream(**_request(stem)) as stream,  # type: ignore[arg-type]
+    ):
+        stream.get_final_completion()

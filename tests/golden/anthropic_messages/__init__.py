@@ -1,0 +1,1 @@
+"""Golden Anthropic SSE transcripts (``*.sse``) and a strict, Claude Code-style consumer."""

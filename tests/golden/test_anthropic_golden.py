@@ -1,0 +1,62 @@
+"""Golden Anthropic Messages SSE transcripts: byte-stable projector output per scenario.
+
+Regenerate with ``SLUICE_UPDATE_GOLDEN=1 pytest tests/golden/test_anthropic_golden.py`` and read
+the diff like code. Each transcript is also replayed through the strict consumer, and the
+message it builds must equal the non-streaming ``render(fold(events))``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from services.api import sse
+from services.api.wire.anthropic_messages import AnthropicProjector, MessageContext, render
+from shared.accumulate import fold
+from shared.events import AnyEvent, Error
+from tests.factories import SCENARIOS
+from tests.golden.anthropic_messages.consumer import StreamFailed, parse_sse, strict_consume
+from tests.invariants import check_stream
+
+GOLDEN = Path(__file__).parent / "anthropic_messages"
+CTX = MessageContext(message_id="msg_0000000000000001", model="tiny-test")
+
+
+def transcript(events: list[AnyEvent]) -> bytes:
+    projector = AnthropicProjector(CTX)
+    frames = [frame for event in events for frame in projector.feed(event)]
+    frames += projector.close()
+    return b"".join(sse.encode(frame) for frame in frames)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_transcript_is_byte_stable(name: str) -> None:
+    events = SCENARIOS[name]()
+    check_stream(events)
+    raw = transcript(events)
+    path = GOLDEN / f"{name}.sse"
+    if os.environ.get("SLUICE_UPDATE_GOLDEN") == "1":
+        path.write_bytes(raw)
+    assert path.exists(), f"missing {path.name}; regenerate with SLUICE_UPDATE_GOLDEN=1"
+    assert raw == path.read_bytes()
+
+
+def test_no_stale_transcripts() -> None:
+    assert {p.stem for p in GOLDEN.glob("*.sse")} == set(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_transcript_passes_strict_consumer_and_equals_render(name: str) -> None:
+    events = SCENARIOS[name]()
+    check_stream(events)
+    parsed = parse_sse((GOLDEN / f"{name}.sse").read_bytes())
+    last = events[-1]
+    if isinstance(last, Error):
+        with pytest.raises(StreamFailed) as failed:
+            strict_consume(parsed)
+        assert failed.value.error["message"] == last.message
+        assert failed.value.error["type"] in {"api_error", "overloaded_error"}
+        return
+    assert strict_consume(parsed) == render(fold(events), CTX)

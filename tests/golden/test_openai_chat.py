@@ -1,0 +1,75 @@
+"""Byte-stable Chat Completions SSE transcripts for every factory scenario.
+
+Regenerate with ``SLUICE_UPDATE_GOLDEN=1``; review the diff like code. The transcripts are also
+what the conformance tests feed the openai SDK.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from services.api.sse import encode
+from services.api.wire.openai_chat import ChatContext, ChatProjector
+from shared.events import AnyEvent, ReasoningDelta
+from tests.factories import SCENARIOS
+from tests.invariants import check_stream
+
+GOLDEN_DIR = Path(__file__).parent / "openai_chat"
+CHAT_ID = "chatcmpl-0000000000000001"
+CREATED = 1_700_000_000
+MODEL = "tiny-test"
+
+
+def golden_cases() -> list[tuple[str, str, bool, bool]]:
+    """(file stem, scenario, include_usage, include_reasoning) for every transcript."""
+    cases = []
+    for name, factory in SCENARIOS.items():
+        has_reasoning = any(isinstance(e, ReasoningDelta) for e in factory())
+        for usage in (False, True):
+            for shown in (False, True) if has_reasoning else (False,):
+                stem = name + (".usage" if usage else "") + (".reasoning" if shown else "")
+                cases.append((stem, name, usage, shown))
+    return cases
+
+
+def context(*, include_usage: bool, include_reasoning: bool) -> ChatContext:
+    """The deterministic context every golden transcript is rendered with."""
+    return ChatContext(
+        id=CHAT_ID,
+        created=CREATED,
+        model=MODEL,
+        include_usage=include_usage,
+        include_reasoning=include_reasoning,
+    )
+
+
+def transcript(events: list[AnyEvent], ctx: ChatContext) -> bytes:
+    """Project events into the SSE bytes a client receives."""
+    projector = ChatProjector(ctx)
+    frames = [f for e in events for f in projector.feed(e)]
+    frames += projector.close()
+    return b"".join(encode(f) for f in frames)
+
+
+@pytest.mark.parametrize(
+    ("stem", "scenario", "usage", "shown"), golden_cases(), ids=[c[0] for c in golden_cases()]
+)
+def test_transcript_matches_golden(stem: str, scenario: str, usage: bool, shown: bool) -> None:
+    events = SCENARIOS[scenario]()
+    check_stream(events)
+    actual = transcript(events, context(include_usage=usage, include_reasoning=shown))
+    path = GOLDEN_DIR / f"{stem}.sse"
+    if os.environ.get("SLUICE_UPDATE_GOLDEN") == "1":
+        GOLDEN_DIR.mkdir(exist_ok=True)
+        path.write_bytes(actual)
+    assert path.exists(), f"missing {path}; run with SLUICE_UPDATE_GOLDEN=1"
+    assert actual == path.read_bytes()
+
+
+def test_every_golden_file_has_a_case() -> None:
+    stems = {c[0] for c in golden_cases()}
+    stale = {p.stem for p in GOLDEN_DIR.glob("*.sse")} - stems
+    assert not stale, f"golden files without a scenario: {sorted(stale)}"

@@ -1,0 +1,167 @@
+"""Each architecture's forward: prefill vs KV-cache decode, ragged batches, HF directory loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.kv_cache import KVCache, build_batch
+from services.worker.loaders import load_model
+from services.worker.models.llama import LlamaConfig, LlamaModel, rope_inv_freq
+from tests.worker_models import ARCH_MODEL_TYPE, random_model, tiny_tokenizer, write_hf_model
+
+torch.set_num_threads(1)
+
+ARCHS = sorted(ARCH_MODEL_TYPE)
+VOCAB = tiny_tokenizer().get_vocab_size()
+
+
+def _cache(model: LlamaModel, slots: int = 4) -> KVCache:
+    c = model.config
+    return KVCache(
+        layers=c.num_layers,
+        slots=slots,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_len=c.context_length,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        initial=8,
+    )
+
+
+def _prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Logits at every position from one full-sequence forward (slot 0)."""
+    cache = _cache(model)
+    cache.reserve(len(ids))
+    batch = build_batch([0], [0], len(ids), torch.device("cpu"))
+    return model(torch.tensor([ids]), batch, cache, n_logits=len(ids))[0]
+
+
+def _stepwise_logits(model: LlamaModel, ids: list[int], slot: int = 1) -> torch.Tensor:
+    """Logits from feeding ``ids`` one token at a time through the KV cache."""
+    cache = _cache(model)
+    rows = []
+    for pos, token in enumerate(ids):
+        cache.reserve(pos + 1)  # exercises capacity growth (initial 8)
+        batch = build_batch([slot], [pos], 1, torch.device("cpu"))
+        rows.append(model(torch.tensor([[token]]), batch, cache)[0, -1])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_matches_token_by_token_decode(arch: str) -> None:
+    model = random_model(arch, VOCAB, seed=1)
+    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        full = _prefill_logits(model, ids)
+        step = _stepwise_logits(model, ids)
+    assert full.shape == (20, VOCAB)
+    torch.testing.assert_close(full, step, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_matches_full_prefill(arch: str) -> None:
+    model = random_model(arch, VOCAB, seed=2)
+    ids = list(range(5, 30))
+    cache = _cache(model)
+    cache.reserve(len(ids))
+    with torch.inference_mode():
+        full = _prefill_logits(model, ids)[-1]
+        model(torch.tensor([ids[:10]]), build_batch([2], [0], 10, torch.device("cpu")), cache)
+        last = model(
+            torch.tensor([ids[10:]]), build_batch([2], [10], 15, torch.device("cpu")), cache
+        )
+    torch.testing.assert_close(last[0, -1], full, atol=1e-4, rtol=1e-4)
+
+
+def _greedy(
+    model: LlamaModel, prompts: list[list[int]], steps: int, slots: list[int]
+) -> list[list[int]]:
+    """Greedy decode of several prompts together: per-slot prefill, then ragged batched steps."""
+    cache = _cache(model, slots=max(slots) + 1)
+    out: list[list[int]] = []
+    lengths = []
+    for prompt, slot in zip(prompts, slots, strict=True):
+        cache.reserve(len(prompt))
+        logits = model(
+            torch.tensor([prompt]),
+            build_batch([slot], [0], len(prompt), torch.device("cpu")),
+            cache,
+        )
+        out.append([int(logits[0, -1].argmax())])
+        lengths.append(len(prompt))
+    for _ in range(steps - 1):
+        cache.reserve(max(lengths) + 1)
+        batch = build_batch(slots, lengths, 1, torch.device("cpu"))
+        logits = model(torch.tensor([[o[-1]] for o in out]), batch, cache)[:, -1]
+        for i, row in enumerate(logits):
+            out[i].append(int(row.argmax()))
+            lengths[i] += 1
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ragged_batched_decode_equals_single_sequence(arch: str) -> None:
+    model = random_model(arch, VOCAB, seed=4)
+    prompts = [list(range(3, 3 + n)) for n in (4, 11, 7)]
+    with torch.inference_mode():
+        together = _greedy(model, prompts, steps=12, slots=[0, 1, 2])
+        gathered = _greedy(model, prompts, steps=12, slots=[3, 0, 2])  # non-contiguous slots
+        alone = [_greedy(model, [p], steps=12, slots=[0])[0] for p in prompts]
+    assert together == alone
+    assert gathered == alone
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shards", [1, 3])
+def test_hf_directory_loads_same_logits(tmp_path: Path, arch: str, shards: int) -> None:
+    original = write_hf_model(tmp_path / "m", arch, shards=shards, seed=5)
+    loaded = load_model(str(tmp_path / "m"), device="cpu", dtype="float32")
+    ids = list(range(10, 30))
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            _prefill_logits(loaded.model, ids), _prefill_logits(original, ids)
+        )
+    assert loaded.card.architecture == arch
+    assert loaded.card.eos_token_ids == [2]
+    assert loaded.card.default_temperature == 0.7
+    assert loaded.card.reasoning is not None and loaded.card.reasoning.open == "<think>"
+    assert loaded.card.tools is not None and loaded.card.tools.open == "<tool_call>"
+
+
+def test_qwen2_has_qkv_bias_and_qwen3_has_qk_norm() -> None:
+    qwen2 = random_model("Qwen2ForCausalLM", VOCAB)
+    qwen3 = random_model("Qwen3ForCausalLM", VOCAB)
+    names2 = dict(qwen2.named_parameters())
+    names3 = dict(qwen3.named_parameters())
+    assert (
+        "layers.0.self_attn.qkv.bias" in names2 and "layers.0.self_attn.o_proj.bias" not in names2
+    )
+    assert "layers.0.self_attn.q_norm.weight" in names3
+    assert "layers.0.self_attn.qkv.bias" not in names3
+
+
+def test_mistral_sliding_window_caps_context() -> None:
+    model = random_model("MistralForCausalLM", VOCAB, sliding_window=128)
+    assert model.config.context_length == 128
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies() -> None:
+    base = LlamaConfig(head_dim=128, rope_theta=500000.0)
+    scaled = LlamaConfig(
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    a, b = rope_inv_freq(base), rope_inv_freq(scaled)
+    assert torch.equal(a[:10], b[:10])  # high frequencies untouched
+    torch.testing.assert_close(b[-1], a[-1] / 8.0)  # lowest frequency divided by the factor

@@ -1,0 +1,109 @@
+"""The publisher's guarantees, on real Redis (its batches are Lua scripts, which fakeredis only
+runs with lupa installed): envelopes, TTL, MAXLEN, fencing, cancel flag, one terminal."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.worker.publisher import Outcome, Publisher
+from shared import keys
+from shared.codec import SCHEMA_VERSION, decode_entry
+from shared.config import Settings
+from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage
+from tests.invariants import check_stream
+
+pytestmark = pytest.mark.integration
+
+RID = "req-pub"
+
+
+def settings(**kw: object) -> Settings:
+    return Settings.from_env({}, **kw)
+
+
+async def stream(redis: aioredis.Redis, rid: str = RID) -> list[AnyEvent]:
+    return [decode_entry(f) for _, f in await redis.xrange(keys.events(rid))]
+
+
+def start() -> Start:
+    return Start(request_id=RID, model="m", prompt_tokens=3)
+
+
+async def test_batch_is_one_envelope_per_event_with_ttl(redis: aioredis.Redis) -> None:
+    pub = Publisher(redis, RID, "w1", settings(retention_s=120))
+    assert await pub.acquire()
+    assert await pub.publish([start(), TextDelta(text="a", token_ids=[1])]) is Outcome.OK
+    entries = await redis.xrange(keys.events(RID))
+    assert [set(f) for _, f in entries] == [{b"v", b"e"}] * 2
+    assert entries[0][1][b"v"] == str(SCHEMA_VERSION).encode()
+    assert 0 < await redis.ttl(keys.events(RID)) <= 120
+    assert await redis.get(keys.lease(RID)) == b"w1"
+
+
+async def test_exactly_one_terminal(redis: aioredis.Redis) -> None:
+    pub = Publisher(redis, RID, "w1", settings())
+    assert await pub.acquire()
+    await pub.publish([start()])
+    assert await pub.publish([Usage(input_tokens=3, output_tokens=0), Finish(reason="end_turn")])
+    assert isinstance(pub.terminal, Finish)
+    assert not await pub.ensure_terminal(lambda: [Error(kind="internal", message="late")])
+    with pytest.raises(RuntimeError, match="after the terminal"):
+        await pub.publish([TextDelta(text="x", token_ids=[2])])
+    check_stream(await stream(redis))
+
+
+async def test_ensure_terminal_closes_an_open_stream(redis: aioredis.Redis) -> None:
+    pub = Publisher(redis, RID, "w1", settings())
+    assert await pub.acquire()
+    await pub.publish([start(), TextDelta(text="a", token_ids=[1])])
+    assert await pub.ensure_terminal(lambda: [Error(kind="internal", message="boom")])
+    events = await stream(redis)
+    check_stream(events)
+    assert isinstance(events[-1], Error)
+
+
+async def test_cancel_flag_rides_on_the_publish(redis: aioredis.Redis) -> None:
+    pub = Publisher(redis, RID, "w1", settings())
+    assert await pub.acquire()
+    assert await pub.publish([start()]) is Outcome.OK
+    await redis.set(keys.cancel(RID), 1)
+    assert await pub.publish([TextDelta(text="a", token_ids=[1])]) is Outcome.CANCELLED
+    assert len(await stream(redis)) == 2  # the step was still written
+
+
+async def test_fenced_when_another_worker_owns_the_lease(redis: aioredis.Redis) -> None:
+    pub = Publisher(redis, RID, "w1", settings())
+    assert await pub.acquire()
+    await pub.publish([start()])
+    await redis.set(keys.lease(RID), "recovering:w2")
+    assert await pub.publish([TextDelta(text="late", token_ids=[9])]) is Outcome.LEASE_LOST
+    assert pub.lease_lost
+    assert not await pub.ensure_terminal(lambda: [Error(kind="internal", message="x")])
+    assert len(await stream(redis)) == 1
+    await pub.release()  # not ours: untouched
+    assert await redis.get(keys.lease(RID)) == b"recovering:w2"
+
+
+async def test_lease_rules(redis: aioredis.Redis) -> None:
+    other = Publisher(redis, RID, "w2", settings())
+    assert await other.acquire()
+    pub = Publisher(redis, RID, "w1", settings())
+    assert not await pub.acquire()  # a live owner keeps it
+    await redis.set(keys.lease(RID), "recovering:w3")
+    assert await pub.acquire()  # a sweeper's claim yields to the worker that starts the job
+    await redis.delete(keys.lease(RID))
+    assert await pub.publish([start()]) is Outcome.OK  # merely expired: re-taken
+    assert await redis.pttl(keys.lease(RID)) > 0
+    await pub.release()
+    assert not await redis.exists(keys.lease(RID))
+
+
+async def test_maxlen_caps_the_stream(redis: aioredis.Redis) -> None:
+    pub = Publisher(redis, RID, "w1", settings(stream_maxlen=10))
+    assert await pub.acquire()
+    await pub.publish([start()])
+    for i in range(60):
+        await pub.publish([TextDelta(text=str(i), token_ids=[i])] * 10)
+    # "MAXLEN ~" trims whole radix-tree nodes (100 entries by default), never below the cap.
+    assert 10 <= await redis.xlen(keys.events(RID)) <= 200
