@@ -139,13 +139,44 @@ def template_kwargs(
     return out
 
 
-def _text_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
-    """A copy of ``tokenizer`` that never matches an added token: client text stays text."""
+def _no_prepend(node: Any) -> Any:
+    """Switch off word-start prefixes (Metaspace ``▁``, ByteLevel space, ``Prepend``)."""
+    if not isinstance(node, dict):
+        return node
+    kind = node.get("type")
+    if kind == "Prepend":
+        return None
+    if kind == "Metaspace":
+        node = {**node, "prepend_scheme": "never"}
+        if "add_prefix_space" in node:
+            node["add_prefix_space"] = False
+    if kind == "ByteLevel":
+        node = {**node, "add_prefix_space": False}
+    for key in ("pretokenizers", "normalizers"):
+        if isinstance(node.get(key), list):
+            parts = [_no_prepend(p) for p in node[key]]
+            node = {**node, key: [p for p in parts if p is not None]}
+    return node
+
+
+def _derive(
+    tokenizer: tokenizers.Tokenizer, *, text_only: bool, prepend: bool
+) -> tokenizers.Tokenizer:
+    """A copy of ``tokenizer`` for one kind of prompt piece.
+
+    ``text_only``: never match an added token, so client text stays text. ``prepend=False``: the
+    piece continues a prompt, so no word-start prefix is added (encoding a piece on its own
+    would otherwise insert a SentencePiece ``▁`` the whole-text encoding does not have).
+    """
     data = json.loads(tokenizer.to_str())
-    for added in data.get("added_tokens") or []:
-        added["special"] = True  # encode_special_tokens only skips tokens marked special
+    if text_only:
+        for added in data.get("added_tokens") or []:
+            added["special"] = True  # encode_special_tokens only skips tokens marked special
+    if not prepend:
+        data["normalizer"] = _no_prepend(data.get("normalizer"))
+        data["pre_tokenizer"] = _no_prepend(data.get("pre_tokenizer"))
     copy = tokenizers.Tokenizer.from_str(json.dumps(data))
-    copy.encode_special_tokens = True
+    copy.encode_special_tokens = text_only
     return copy
 
 
@@ -168,9 +199,11 @@ class PromptRenderer:
         self.card = card
         self.tokenizer = tokenizer or tokenizers.Tokenizer.from_str(card.tokenizer_json)
         self.reasoning_when_hidden = reasoning_when_hidden
-        self._text_tokenizer = _text_tokenizer(self.tokenizer)
+        self._derived: dict[tuple[bool, bool], tokenizers.Tokenizer] = {}
         added = self.tokenizer.get_added_tokens_decoder().values()
-        self._added = sorted({t.content for t in added if t.content}, key=len, reverse=True)
+        contents = sorted({t.content for t in added if t.content}, key=len, reverse=True)
+        # One alternation scanned once per client string; None when there is nothing to forge.
+        self._added = re.compile("|".join(map(re.escape, contents))) if contents else None
         self._bos_id = self.tokenizer.token_to_id(card.bos_token) if card.bos_token else None
 
     def render(self, job: GenerateRequest) -> RenderedPrompt:
@@ -223,10 +256,27 @@ class PromptRenderer:
         """Number of prompt tokens the job renders to (Anthropic ``count_tokens``)."""
         return len(self.render(job).token_ids)
 
+    def _encode(self, piece: str, *, text_only: bool, first: bool) -> list[int]:
+        """Encode one piece of a prompt split at client text (see ``_derive``)."""
+        if not piece:
+            return []
+        if not text_only and first:
+            tokenizer = self.tokenizer
+        else:
+            key = (text_only, first)
+            if key not in self._derived:
+                self._derived[key] = _derive(self.tokenizer, text_only=text_only, prepend=first)
+            tokenizer = self._derived[key]
+        return tokenizer.encode(piece, add_special_tokens=False).ids
+
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: added tokens it spells are not matched."""
+        return self._encode(text, text_only=True, first=True)
+
     def _mask(self, value: Any, originals: list[str], nonce: str, key: str = "") -> Any:
         """Replace every client string that contains an added token's text with a sentinel."""
         if isinstance(value, str):
-            if key in _OWN_KEYS or not any(tok in value for tok in self._added):
+            if key in _OWN_KEYS or self._added is None or not self._added.search(value):
                 return value
             originals.append(value)
             return f"\u2063{nonce}{len(originals) - 1}\u2063"
@@ -247,14 +297,14 @@ class PromptRenderer:
             if k % 2 == 0:
                 if not text.startswith(part, pos):
                     raise TemplateError("template renders client text it cannot isolate")
-                ids += self.tokenizer.encode(part, add_special_tokens=False).ids
+                ids += self._encode(part, text_only=False, first=pos == 0)
                 pos += len(part)
                 continue
             following = parts[k + 1]
             for candidate in _renderings(originals[int(part)]):
                 end = pos + len(candidate)
                 if text.startswith(candidate, pos) and text.startswith(following, end):
-                    ids += self._text_tokenizer.encode(candidate, add_special_tokens=False).ids
+                    ids += self._encode(candidate, text_only=True, first=pos == 0)
                     pos = end
                     break
             else:

@@ -1,4 +1,4 @@
-"""Tiny models for worker tests: random weights in HF layout, a GGUF writer, a forced-sequence double.
+"""Tiny models for worker tests: random HF-layout weights, a GGUF writer, a forced-sequence double.
 
 * ``tiny_tokenizer()``: a real byte-level BPE ``tokenizers.Tokenizer`` trained in milliseconds on a
   small corpus, whose added tokens include the ChatML, reasoning and tool markers.

@@ -122,9 +122,8 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             await hub.stop()
-            for task in list(state.background):
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(task, timeout=2)
+            if state.background:  # pending cancel flags: give them a moment to land
+                await asyncio.wait(list(state.background), timeout=2)
             await pool.aclose()
 
     app = FastAPI(

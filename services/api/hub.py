@@ -161,6 +161,10 @@ class StreamHub:
         """How many subscriptions are open."""
         return sum(len(v) for v in self._subs.values())
 
+    def watching(self, key: str) -> bool:
+        """Whether any subscription to ``key`` is open in this process."""
+        return key in self._subs
+
     async def start(self) -> None:
         """Open the blocking connection and start the reader task."""
         # socket_timeout must exceed the block time or redis-py raises TimeoutError while the

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from services.api.submit import load_job
+from services.api.submit import cancel, load_job
 from services.api.wire.openai_responses import render
-from services.api.wire.openai_responses_request import items_to_messages
+from services.api.wire.openai_responses_items import items_to_messages
 from services.api.wire.openai_responses_types import Response
 from shared import keys
 from shared.accumulate import fold
@@ -130,6 +130,8 @@ async def current(state: AppState, record: StoredResponse) -> Response:
 async def delete(state: AppState, rid: str, owner: str) -> None:
     """Delete a stored response; a finished one takes its event log and request with it.
 
+    An unfinished one is cancelled; its log and request expire with the retention period.
+
     Args:
         state: the app state.
         rid: the response id.
@@ -142,8 +144,11 @@ async def delete(state: AppState, rid: str, owner: str) -> None:
     response = await current(state, record)
     doomed = [keys.response(rid)]
     if response.status in _FINAL:
-        # While generating, the worker still appends to the log and may need the request.
         doomed += [keys.events(rid), keys.request(rid)]
+    else:
+        # Nobody can read the answer any more, so stop generating it; the worker still appends
+        # to the log and may need the request until it sees the flag, so those expire instead.
+        await cancel(state, rid)
     await state.redis.delete(*doomed)
 
 
@@ -180,7 +185,7 @@ async def conversation(state: AppState, rid: str, owner: str) -> list[Message]:
         )
     try:
         job = await load_job(state, rid, owner)
-    except PermissionDenied as exc:  # an owner mismatch reads as absence, as for load()
+    except (NotFound, PermissionDenied) as exc:  # expired, or (as for load) another owner's
         raise NotFound(
             f"Previous response with id '{rid}' not found.", param="previous_response_id"
         ) from exc

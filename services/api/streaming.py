@@ -4,7 +4,8 @@
 until the terminal event. ``sse_response`` feeds those events to a wire format's projector and
 encodes its frames with ``sse.encode``; the Redis entry id rides on the last frame of each event
 as the SSE ``id:``, so ``Last-Event-ID`` resumes exactly after it. While nothing arrives it sends
-keepalives; when the client goes away it raises the cancel flag; and nothing raises past the SSE
+keepalives; when the client goes away it raises the cancel flag (after a short grace in
+case it reconnects); and nothing raises past the SSE
 boundary once headers are out: a failure becomes the projector's own in-band error frame.
 ``collect`` is the non-streaming twin (events until terminal, cancel on disconnect).
 """
@@ -35,6 +36,11 @@ if TYPE_CHECKING:
 __all__ = ["Projector", "collect", "sse_response", "tail"]
 
 logger = logging.getLogger(__name__)
+
+# A client whose connection drops often comes straight back with Last-Event-ID (the SDKs and
+# shared.client do). Cancelling at once would kill the answer it is about to resume, so the
+# cancel waits this long and is skipped if this process is streaming the request again by then.
+CANCEL_GRACE_S = 1.0
 
 
 class Projector(Protocol):
@@ -103,6 +109,12 @@ async def _cancel_quietly(state: AppState, rid: str) -> None:
         logger.exception("could not set the cancel flag of %s", rid)
 
 
+async def _cancel_unless_resumed(state: AppState, rid: str) -> None:
+    await asyncio.sleep(CANCEL_GRACE_S)
+    if not state.hub.watching(keys.events(rid)):
+        await _cancel_quietly(state, rid)
+
+
 def _with_id(frames: list[sse.Frame], entry_id: str) -> list[sse.Frame]:
     if frames:
         frames[-1] = msgspec.structs.replace(frames[-1], id=entry_id)
@@ -110,7 +122,12 @@ def _with_id(frames: list[sse.Frame], entry_id: str) -> list[sse.Frame]:
 
 
 async def _frames(
-    state: AppState, rid: str, projector: Projector, after: str, keepalive: sse.Frame | None
+    state: AppState,
+    rid: str,
+    projector: Projector,
+    after: str,
+    keepalive: sse.Frame | None,
+    cancel_on_disconnect: bool = True,
 ) -> AsyncIterator[bytes]:
     ping = sse.encode(keepalive) if keepalive is not None else sse.comment()
     finished = False
@@ -135,7 +152,7 @@ async def _frames(
         with contextlib.suppress(Exception):
             yield b"".join(sse.encode(f) for f in [*projector.feed(error), *projector.close()])
     finally:
-        if not finished:  # client gone (cancelled scope / closed generator) before the end
+        if not finished and cancel_on_disconnect:  # client gone before the end
             _spawn(state, _cancel_quietly(state, rid))
 
 
@@ -148,6 +165,7 @@ def sse_response(
     after: str = "0-0",
     keepalive: sse.Frame | None = None,
     headers: dict[str, str] | None = None,
+    cancel_on_disconnect: bool = True,
 ) -> StreamingResponse:
     """Stream a request's events to the client through ``projector`` as SSE.
 
@@ -160,13 +178,15 @@ def sse_response(
         after: resume after this entry id (``Last-Event-ID``); ``0-0`` streams everything.
         keepalive: a frame to send on silence (e.g. Anthropic's ``ping``); default an SSE comment.
         headers: extra response headers (e.g. a request id header).
+        cancel_on_disconnect: False for an observer (e.g. re-streaming a stored background
+            response), whose leaving must not stop the generation.
 
     Returns:
         The streaming response.
     """
     del request
     return StreamingResponse(
-        _frames(state, rid, projector, after, keepalive),
+        _frames(state, rid, projector, after, keepalive, cancel_on_disconnect),
         headers={**sse.HEADERS, **(headers or {})},
         media_type=sse.MEDIA_TYPE,
     )

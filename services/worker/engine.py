@@ -10,7 +10,7 @@ about Redis.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -104,6 +104,51 @@ class TorchBackend:
         rendered = self.renderer.render(job)
         return list(rendered.token_ids), rendered.starts_in_reasoning
 
+    def _sequence(
+        self,
+        job: GenerateRequest,
+        resume: list[int],
+        attempt: int,
+        emit: Callable[[list[AnyEvent] | BaseException], None],
+        on_freed: Callable[[], None],
+    ) -> Sequence:
+        """Validate the prompt and build the scheduler's sequence for ``job``."""
+        prompt, in_reasoning = self._prompt(job)
+        ctx, vocab = self.scheduler.context_length, self.scheduler.vocab
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if max(prompt) >= vocab or min(prompt) < 0:
+            raise InvalidRequest("prompt token ids outside the model's vocabulary")
+        if len(prompt) + len(resume) >= ctx:
+            raise ContextOverflow(
+                f"prompt of {len(prompt)} tokens leaves no room in the {ctx}-token context"
+            )
+        max_new = job.max_tokens if job.max_tokens is not None else ctx - len(prompt)
+        if max_new <= 0:
+            raise InvalidRequest("max_tokens must be at least 1")
+        seq = Sequence(
+            job=job,
+            prompt=prompt,
+            resume=list(resume),
+            attempt=attempt,
+            starts_in_reasoning=in_reasoning,
+            sampling=sampling_config(job, self.card),
+            generator=(
+                torch.Generator().manual_seed(job.sampling.seed)
+                if job.sampling.seed is not None
+                else None
+            ),
+            max_new=max_new,
+            emit=emit,
+            on_freed=on_freed,
+        )
+        if seq.sampling.presence_penalty or seq.sampling.frequency_penalty:
+            seq.counts = torch.zeros(vocab)
+        if seq.sampling.repetition_penalty != 1.0:
+            seq.seen = torch.zeros(vocab, dtype=torch.bool)
+            seq.seen[prompt] = True
+        return seq
+
     async def generate(
         self, job: GenerateRequest, resume_token_ids: list[int], attempt: int
     ) -> AsyncIterator[list[AnyEvent]]:
@@ -113,46 +158,21 @@ class TorchBackend:
             InvalidRequest: empty prompt or token ids outside the vocabulary.
             ContextOverflow: the prompt leaves no room to generate.
         """
-        prompt, in_reasoning = self._prompt(job)
-        ctx = self.scheduler.context_length
-        if not prompt:
-            raise InvalidRequest("the prompt is empty")
-        if max(prompt) >= self.scheduler.vocab or min(prompt) < 0:
-            raise InvalidRequest("prompt token ids outside the model's vocabulary")
-        if len(prompt) + len(resume_token_ids) >= ctx:
-            raise ContextOverflow(
-                f"prompt of {len(prompt)} tokens leaves no room in the {ctx}-token context"
-            )
-        generator = None
-        if job.sampling.seed is not None:
-            generator = torch.Generator().manual_seed(job.sampling.seed)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[AnyEvent] | BaseException] = asyncio.Queue()
         freed = loop.create_future()
 
-        def on_freed() -> None:
-            loop.call_soon_threadsafe(lambda: freed.done() or freed.set_result(None))
+        def resolve_freed() -> None:
+            if not freed.done():
+                freed.set_result(None)
 
-        seq = Sequence(
-            job=job,
-            prompt=prompt,
-            resume=list(resume_token_ids),
-            attempt=attempt,
-            starts_in_reasoning=in_reasoning,
-            sampling=sampling_config(job, self.card),
-            generator=generator,
-            max_new=job.max_tokens if job.max_tokens is not None else ctx - len(prompt),
-            emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-            on_freed=on_freed,
-        )
-        if seq.sampling.presence_penalty or seq.sampling.frequency_penalty:
-            seq.counts = torch.zeros(self.scheduler.vocab)
-        if seq.sampling.repetition_penalty != 1.0:
-            seen = torch.zeros(self.scheduler.vocab, dtype=torch.bool)
-            seen[prompt] = True
-            seq.seen = seen
-        if seq.max_new <= 0:
-            raise InvalidRequest("max_tokens must be at least 1")
+        def on_freed() -> None:
+            loop.call_soon_threadsafe(resolve_freed)
+
+        def emit(item: list[AnyEvent] | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        seq = self._sequence(job, resume_token_ids, attempt, emit, on_freed)
         self.scheduler.submit(seq)
         finished = False
         try:

@@ -16,6 +16,8 @@ hash tag, so the script is valid on Redis Cluster too.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import hashlib
 import logging
@@ -155,6 +157,9 @@ class Publisher:
     async def publish(self, events: Sequence[AnyEvent]) -> Outcome:
         """Append ``events`` (one step's worth) in one round trip.
 
+        Cancellation waits for a call already sent, so ``terminal`` always tells the truth about
+        the stream (a shutdown that interrupted a terminal write must not add a second one).
+
         Raises:
             RuntimeError: a terminal event was already published (a caller bug).
         """
@@ -162,6 +167,15 @@ class Publisher:
             raise RuntimeError(f"{self.rid}: publish after the terminal event")
         if self.lease_lost:
             return Outcome.LEASE_LOST
+        write = asyncio.ensure_future(self._write(events))
+        try:
+            return await asyncio.shield(write)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await write
+            raise
+
+    async def _write(self, events: Sequence[AnyEvent]) -> Outcome:
         bodies = [encode_event(e) for e in events]
         result = int(await PUBLISH(self.redis, self._keys, [*self._head, *bodies]))
         if result < 0:

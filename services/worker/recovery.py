@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from arq.connections import ArqRedis
 from arq.constants import in_progress_key_prefix
@@ -51,9 +52,12 @@ async def sweep_once(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> 
     ``job_timeout_s + 10`` s of TTL at pickup, so its remaining TTL tells how long ago a job was
     picked up, and a job picked up less than a lease TTL ago may simply not have leased yet.
     """
-    members = await wc.redis.zrange(keys.inflight(wc.name), 0, -1)
+    grace_ms = wc.settings.lease_ttl_s * 1000
+    # Entries younger than a lease TTL may sit between the API's ZADD and its enqueue.
+    newest = time.time() * 1000 - grace_ms
+    members = await wc.redis.zrange(keys.inflight(wc.name), 0, -1, withscores=True)
     # Our own requests are alive by definition (their next publish re-takes an expired lease).
-    rids = [r.decode() for r in members if r.decode() not in wc.active]
+    rids = [r.decode() for r, score in members if score < newest and r.decode() not in wc.active]
     if not rids:
         return []
     async with wc.redis.pipeline(transaction=False) as pipe:
@@ -63,7 +67,6 @@ async def sweep_once(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> 
             pipe.zscore(keys.queue(wc.name), rid)
         flat = await pipe.execute()
     in_progress_ms = (job_timeout_s + 10) * 1000
-    grace_ms = wc.settings.lease_ttl_s * 1000
     acted: list[str] = []
     for i, rid in enumerate(rids):
         leased, pttl, queued = flat[3 * i : 3 * i + 3]

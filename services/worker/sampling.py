@@ -68,7 +68,7 @@ def apply_penalties(
 
 
 def mask_tokens(logits: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
-    """Return logits with ``token_ids`` made impossible (used for EOS under min_tokens/ignore_eos)."""
+    """Return logits with ``token_ids`` made impossible (EOS under min_tokens/ignore_eos)."""
     if not token_ids:
         return logits
     out = logits.clone()

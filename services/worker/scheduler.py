@@ -14,12 +14,13 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from tokenizers import Tokenizer
 
 from services.worker.kv_cache import KVCache, build_batch, common_prefix
+from services.worker.models.llama import LlamaConfig
 from services.worker.sampling import (
     SamplingConfig,
     apply_penalties,
@@ -92,7 +93,7 @@ class Scheduler:
         make_decoder: DecoderFactory,
     ) -> None:
         """Allocate the cache; call ``start`` to run the loop."""
-        cfg = model.config
+        cfg = cast(LlamaConfig, model.config)  # LlamaModel or a test double with its config
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
         self.device, self.max_batch, self.make_decoder = device, max_batch, make_decoder
         self.context_length = int(cfg.context_length)

@@ -74,7 +74,7 @@ def request(name: str) -> dict[str, Any]:
         "model": "tiny-test",
         "max_tokens": 64,
         "messages": [{"role": "user", "content": "Hi"}],
-        "metadata": {"user_id": "u", "script": name},  # type: ignore[typeddict-unknown-key]
+        "metadata": {"user_id": "u", "script": name},
     }
 
 

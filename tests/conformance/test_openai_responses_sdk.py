@@ -157,12 +157,12 @@ def test_unfinished_responses_raise_in_get_final_response(
 
 def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, object]]]:
     """A minimal SSE reader, as Codex's: ``event:`` + ``data:`` lines, blank line ends one."""
-    name, data = "", []
+    name, data = "", list[str]()
     for line in lines:
         if not line:
             if data:
                 yield name, json.loads("\n".join(data))
-            name, data = "", []
+            name, data = "", list[str]()
         elif line.startswith("event:"):
             name = line[6:].strip()
         elif line.startswith("data:"):

@@ -139,7 +139,9 @@ def test_up_with_private_redis_serves_the_printed_curl_line(launch: list[Launche
     # The request's event log lives in the private Redis: it must be a valid stream.
     client = redis_sync.Redis(unix_socket_path=str(socket_path))
     try:
-        entries = client.xrange(keys.events(completion["id"]))
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(  # type: ignore[assignment]
+            keys.events(completion["id"])
+        )
     finally:
         client.close()
     check_stream([decode_entry(fields) for _, fields in entries])

@@ -24,6 +24,7 @@ from shared.accumulate import fold
 from shared.codec import decode_entry, decode_job
 from shared.config import Settings
 from shared.events import AnyEvent, Start
+from shared.jobs import GenerateRequest
 from tests.golden.anthropic_messages.consumer import StreamFailed, parse_sse, strict_consume
 from tests.integration.server_harness import running_api
 from tests.integration.worker_harness import running_worker
@@ -97,7 +98,13 @@ async def rendered(redis: aioredis.Redis, rid: str) -> dict[str, Any]:
     """``render(fold(events))`` of the events on the Redis stream of ``rid``, as JSON."""
     events = await stream_events(redis, rid)
     message = render(fold(events), MessageContext(message_id=rid, model=MODEL))
-    return msgspec.json.decode(msgspec.json.encode(message))
+    return msgspec.json.decode(msgspec.json.encode(message), type=dict[str, Any])
+
+
+async def stored_job(redis: aioredis.Redis, rid: str) -> GenerateRequest:
+    """The job the API stored (and enqueued) for ``rid``."""
+    pending: Any = redis.hget(keys.request(rid), "job")  # redis-py's stubs mix sync and async
+    return decode_job(await pending)
 
 
 def dump(message: Message) -> dict[str, Any]:
@@ -174,7 +181,7 @@ async def test_multi_turn_tool_loop_replays_thinking_and_tool_use(
     ]
     done = await client.messages.create(**request("text", messages=history, tools=TOOLS))
     assert done.stop_reason == "end_turn"
-    job = decode_job(await redis.hget(keys.request(done.id), "job"))  # type: ignore[arg-type]
+    job = await stored_job(redis, done.id)
     roles = [m.role for m in job.messages]
     assert roles == ["system", "user", "assistant", "user", "assistant", "tool"]
     replayed = job.messages[2]
@@ -204,7 +211,7 @@ async def test_count_tokens_equals_the_prompt_tokens_charged(
     usage = message.usage
     total = usage.input_tokens + (usage.cache_read_input_tokens or 0)
     assert counted.input_tokens == total
-    stored = decode_job(await redis.hget(keys.request(message.id), "job"))  # type: ignore[arg-type]
+    stored = await stored_job(redis, message.id)
     assert counted.input_tokens == len(stored.prompt_token_ids or [])
     # Thinking and tools change the rendered prompt, and count_tokens sees the same template.
     bare = await client.messages.count_tokens(model=MODEL, messages=body["messages"])
@@ -244,3 +251,63 @@ async def test_pings_keep_a_slow_stream_alive(redis_url: str, redis: aioredis.Re
     assert ("ping", {"type": "ping"}) in events
     message = strict_consume(events)
     assert message == await rendered(redis, response.headers["request-id"])
+
+
+def frames_with_ids(raw: bytes) -> list[tuple[str | None, str | None]]:
+    """``(event name, id)`` of each SSE event in ``raw`` (the pipeline puts ids on events)."""
+    out: list[tuple[str | None, str | None]] = []
+    for chunk in raw.decode().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in chunk.splitlines() if ": " in line)
+        if "data" in fields:
+            out.append((fields.get("event"), fields.get("id")))
+    return out
+
+
+async def test_replay_and_resume_after_last_event_id(
+    client: anthropic.AsyncAnthropic, redis: aioredis.Redis, api: str
+) -> None:
+    async with httpx.AsyncClient(base_url=api) as http:
+        first = await http.post("/v1/messages", json=request("reasoning", stream=True))
+        rid = first.headers["request-id"]
+        original = parse_sse(first.content)
+        ids = frames_with_ids(first.content)
+        assert [name for name, _ in ids] == [name for name, _ in original]
+        # Resume after an event in the middle of the thinking block.
+        cut = [i for i, (_, entry_id) in enumerate(ids) if entry_id][2]
+        resumed = await http.get(
+            f"/v1/messages/{rid}/events", headers={"last-event-id": str(ids[cut][1])}
+        )
+        assert parse_sse(resumed.content) == original[cut + 1 :]
+        replayed = await http.get(f"/v1/messages/{rid}/events")
+        assert parse_sse(replayed.content) == original
+        bad = await http.get(f"/v1/messages/{rid}/events", headers={"last-event-id": "nope"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    retrieved = await client.get(f"/v1/messages/{rid}", cast_to=Message)
+    assert dump(retrieved) == dump(Message.model_validate(strict_consume(original)))
+    with pytest.raises(anthropic.NotFoundError):
+        await client.get("/v1/messages/msg_unknown", cast_to=Message)
+
+
+async def test_a_chat_completion_replays_as_an_anthropic_stream(
+    api: str, worker: object, redis: aioredis.Redis
+) -> None:
+    async with httpx.AsyncClient(base_url=api) as http:
+        chat = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hello"}],
+                "metadata": {"script": "reasoning"},
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        rid = chat.json()["id"]
+        replayed = await http.get(f"/v1/messages/{rid}/events")
+    message = strict_consume(parse_sse(replayed.content))
+    assert [b["type"] for b in message["content"]] == ["thinking", "text"]
+    assert message["content"][1]["text"] == chat.json()["choices"][0]["message"]["content"]
+    # The chat request did not ask to see reasoning, so its replay keeps the thinking omitted.
+    assert message["content"][0] == {"type": "thinking", "thinking": "", "signature": ""}
+    events = await stream_events(redis, rid)
+    hidden = MessageContext(message_id=rid, model=MODEL, show_thinking=False)
+    assert message == msgspec.json.decode(msgspec.json.encode(render(fold(events), hidden)))

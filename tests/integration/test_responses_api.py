@@ -239,3 +239,12 @@ async def test_unknown_model_is_404(client: openai.AsyncOpenAI, redis: aioredis.
         await client.responses.create(**{**request("text"), "model": "nope"})  # type: ignore[call-overload]
     assert isinstance(info.value.body, dict) and info.value.body["code"] == "model_not_found"
     assert await nothing_enqueued(redis)
+
+
+async def test_rejection_before_start(client: openai.AsyncOpenAI, redis: aioredis.Redis) -> None:
+    # The scripted worker rejects an unknown script before generating (an early Error).
+    with pytest.raises(openai.BadRequestError, match="unknown scripted scenario"):
+        await client.responses.create(**request("bogus"))  # type: ignore[call-overload]
+    raw = await client.responses.create(stream=True, **request("bogus"))  # type: ignore[call-overload]
+    kinds = [event.type async for event in raw]
+    assert kinds == ["response.created", "response.in_progress", "error", "response.failed"]

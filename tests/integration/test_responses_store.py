@@ -51,7 +51,7 @@ def sdk(base_url: str, key: str = KEY_A) -> openai.AsyncOpenAI:
 
 async def stored_job(redis: aioredis.Redis, rid: str) -> GenerateRequest:
     """The job the API stored (and enqueued) for ``rid``."""
-    payload = await redis.hget(keys.request(rid), "job")
+    payload = await redis.hget(keys.request(rid), "job")  # type: ignore[misc]
     assert payload is not None
     return decode_job(payload)
 
@@ -102,14 +102,17 @@ async def test_previous_response_id_rebuilds_tool_loop_on_another_replica(
         ]
 
         # Replaying the full input instead of chaining builds the same conversation.
+        # Another server's reasoning item (opaque encrypted_content only) is accepted, ignored.
+        foreign = {"type": "reasoning", "id": "rs_x", "summary": [], "encrypted_content": "gAAA"}
         replay = [
             {"role": "user", "content": QUESTION},
+            foreign,
             *[item.model_dump(exclude_none=True) for item in r1.output],
             output,
         ]
         r4 = await second.responses.create(
             model=MODEL,
-            input=replay,  # type: ignore[arg-type]
+            input=replay,
             instructions="Second turn rules.",
             tools=TOOLS,  # type: ignore[arg-type]
             metadata={"script": "text"},
@@ -211,3 +214,46 @@ async def test_cancel_stops_an_in_flight_response(
             await other.responses.cancel(rid)
         events = await stream_events(redis, rid)
         assert events[-1].reason == "cancelled"  # type: ignore[union-attr]
+
+
+async def test_background_response_is_polled_with_get(
+    replicas: tuple[str, str], redis: aioredis.Redis
+) -> None:
+    one, two = replicas
+    async with sdk(one) as client, sdk(two) as other:
+        queued = await client.responses.create(**request("reasoning"), background=True)  # type: ignore[call-overload]
+        assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+        # GET ?stream=true follows the event log to its end, from any replica.
+        stream = await other.responses.retrieve(queued.id, stream=True)
+        kinds = [event.type async for event in stream]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        done = await other.responses.retrieve(queued.id)
+        assert (done.status, done.background) == ("completed", True)
+        assert done.output_text == "Hi there! How can I help?"
+        await stream_events(redis, queued.id)
+
+
+async def test_leaving_a_get_stream_does_not_cancel_a_background_response(
+    redis_url: str, replicas: tuple[str, str], redis: aioredis.Redis
+) -> None:
+    one, two = replicas
+    overrides = {"lease_ttl_s": 10.0, "heartbeat_s": 0.5}
+    async with (
+        running_worker(redis_url, "scripted:long?rate=500", overrides, name="slow") as slow,
+        sdk(one) as client,
+        sdk(two) as other,
+    ):
+        queued = await client.responses.create(
+            model=slow.name, input="go", background=True, metadata={"script": "long"}
+        )
+        stream = await other.responses.retrieve(queued.id, stream=True)
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                break  # the observer leaves mid-generation
+        await stream.close()
+        follow = await client.responses.retrieve(queued.id, stream=True)
+        kinds = [event.type async for event in follow]
+        assert kinds[-1] == "response.completed"
+        assert not await redis.exists(keys.cancel(queued.id))
+        events = await stream_events(redis, queued.id)
+        assert events[-1].reason == "end_turn"  # type: ignore[union-attr]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -11,6 +12,7 @@ from arq.connections import ArqRedis
 
 from services.worker.jobs import FUNCTION_NAME
 from services.worker.main import arq_deserialize, arq_serialize
+from services.worker.scripted import ScriptedBackend
 from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage, is_terminal
@@ -73,7 +75,9 @@ async def test_job_streams_events_and_cleans_up(redis: aioredis.Redis, redis_url
         check_stream(events)
         assert isinstance(events[0], Start) and events[0].model == "scripted-reasoning"
         assert isinstance(events[-1], Finish) and events[-1].reason == "end_turn"
-        text = worker.backend.tokenizer.decode(generated_token_ids(events), skip_special_tokens=False)  # type: ignore[attr-defined]  # fmt: skip
+        backend = worker.backend
+        assert isinstance(backend, ScriptedBackend)
+        text = backend.tokenizer.decode(generated_token_ids(events), skip_special_tokens=False)
         assert text.startswith("<think>") and text.endswith("<|im_end|>")
         assert 0 < await redis.ttl(keys.events("req-1")) <= worker.settings.retention_s
         for _ in range(100):  # settling (lease, in-flight) happens just after the terminal XADD
@@ -82,9 +86,10 @@ async def test_job_streams_events_and_cleans_up(redis: aioredis.Redis, redis_url
             await asyncio.sleep(0.02)
         assert not await redis.exists(keys.lease("req-1"))
         assert await settled(redis, keys.inflight(worker.name)) == 0
-        assert await redis.hexists(keys.model_card(worker.name), "card")
-        assert await redis.sismember(keys.models(), worker.name)
-        assert await redis.hget(keys.worker(worker.wid), "model") == worker.name.encode()
+        r: Any = redis  # redis-py's stubs mix sync and async return types for hashes and sets
+        assert await r.hexists(keys.model_card(worker.name), "card")
+        assert await r.sismember(keys.models(), worker.name)
+        assert await r.hget(keys.worker(worker.wid), "model") == worker.name.encode()
 
 
 async def test_duplicate_enqueue_is_a_no_op(redis: aioredis.Redis, redis_url: str) -> None:
@@ -183,7 +188,8 @@ async def test_killed_worker_is_continued_seamlessly(redis: aioredis.Redis, redi
     assert _starts(events) == 1 and isinstance(events[-1], Finish)
     assert generated_token_ids(events) == generated_token_ids(reference)
     assert events[-2] == reference[-2]  # the same Usage: one continuous answer
-    assert await redis.hget(keys.request("req-lost"), "attempts") == b"1"
+    r: Any = redis
+    assert await r.hget(keys.request("req-lost"), "attempts") == b"1"
 
 
 async def test_attempts_exhausted_ends_with_worker_lost(

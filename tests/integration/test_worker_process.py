@@ -37,7 +37,7 @@ async def test_serves_then_stops_on_sigterm(redis: aioredis.Redis, redis_url: st
     proc = await spawn(redis_url, "scripted:echo?rate=0")
     try:
         for _ in range(1200):  # the card appears once the worker is up
-            if await redis.sismember(keys.models(), "scripted-echo"):
+            if await redis.sismember(keys.models(), "scripted-echo"):  # type: ignore[misc]
                 break
             await asyncio.sleep(0.05)
         assert await submit(redis_url, make_job("req-proc", "scripted-echo", text="one two"))

@@ -1,9 +1,12 @@
-"""Anthropic Messages routes: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+"""Anthropic Messages routes: create, count tokens, and (a sluice extension) replay.
 
 Thin: parse (``wire.anthropic_messages_request``), submit, then stream through the shared
 pipeline or render the fold of the same events (``wire.anthropic_messages``). Query strings
 such as Claude Code's ``?beta=true`` and any ``anthropic-version``/``anthropic-beta`` headers are
-ignored; errors leave through the app's handlers in Anthropic's envelope.
+ignored; errors leave through the app's handlers in Anthropic's envelope. Because every answer
+is a durable event log, ``GET /v1/messages/{id}`` and ``GET /v1/messages/{id}/events`` re-project
+any request the caller's key created (in any format) as an Anthropic message or stream, and the
+latter resumes after ``Last-Event-ID``.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ import asyncio
 import msgspec
 from fastapi import APIRouter, Request, Response
 
-from services.api.app import get_state
+from services.api.app import AppState, get_state
 from services.api.auth import authenticate
+from services.api.hub import parse_id
 from services.api.streaming import collect, sse_response
-from services.api.submit import new_request_id, submit
+from services.api.submit import load_job, new_request_id, submit
 from services.api.wire.anthropic_messages import PING, AnthropicProjector, MessageContext, render
 from services.api.wire.anthropic_messages_request import (
     build_job,
     parse_count_tokens_request,
     parse_messages_request,
 )
+from shared import keys
 from shared.accumulate import fold
+from shared.codec import decode_entry
 from shared.errors import InvalidRequest
 
 __all__ = ["router"]
@@ -68,3 +74,39 @@ async def count_tokens(request: Request) -> Response:
     except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
         raise InvalidRequest(f"could not render the conversation: {exc}", param="messages") from exc
     return Response(_JSON.encode({"input_tokens": count}), media_type="application/json")
+
+
+async def _stored(state: AppState, request: Request, rid: str) -> MessageContext:
+    job = await load_job(state, rid, await authenticate(request))
+    return MessageContext(message_id=rid, model=job.model, show_thinking=job.reasoning.visible)
+
+
+@router.get("/v1/messages/{rid}")
+async def retrieve_message(rid: str, request: Request) -> Response:
+    """The finished message of a stored request (waits for the end if still generating)."""
+    state = get_state(request)
+    ctx = await _stored(state, request, rid)
+    body = render(fold(await collect(state, request, rid)), ctx)
+    return Response(_JSON.encode(body), media_type="application/json", headers={"request-id": rid})
+
+
+@router.get("/v1/messages/{rid}/events")
+async def replay_message(rid: str, request: Request) -> Response:
+    """Stream a stored request as Anthropic SSE, from the start or after ``Last-Event-ID``."""
+    state = get_state(request)
+    ctx = await _stored(state, request, rid)
+    after = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
+    try:
+        parse_id(after)
+    except ValueError as exc:
+        raise InvalidRequest(f"{after!r} is not a stream entry id", param="after") from exc
+    projector = AnthropicProjector(ctx)
+    if after != "0-0":
+        # Re-feed what the client already has, discarding the frames, so block indexes and
+        # the single message_start continue exactly where the interrupted stream stopped.
+        for _, fields in await state.redis.xrange(keys.events(rid), "-", after):
+            projector.feed(decode_entry(fields))
+    headers = {"request-id": rid}
+    return sse_response(
+        state, request, rid, projector, after=after, keepalive=PING, headers=headers
+    )

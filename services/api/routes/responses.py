@@ -1,4 +1,4 @@
-"""``/v1/responses``: create (stream or not), retrieve (or re-stream), delete, cancel.
+"""``/v1/responses``: create (stream, not, or background), retrieve (or re-stream), delete, cancel.
 
 Thin: authentication already ran as the router's dependency; parsing lives in
 ``wire.openai_responses_request``, projection in ``wire.openai_responses``, storage in
@@ -63,6 +63,8 @@ async def create_response(request: Request) -> Response:
     echo = skeleton(req, rid, int(job.created))
     if echo.store:
         await responses_store.save(state, owner, echo)
+    if echo.background:  # generation goes on without this connection; GET reads it later
+        return _json(msgspec.structs.replace(echo, status="queued"), rid)
     if req.stream:
         projector = ResponsesProjector(ResponsesContext(skeleton=echo))
         return sse_response(state, request, rid, projector, headers={"x-request-id": rid})
@@ -83,7 +85,10 @@ async def retrieve_response(
         ctx = ResponsesContext(skeleton=record.skeleton, starting_after=starting_after)
         projector = ResponsesProjector(ctx)
         headers = {"x-request-id": response_id}
-        return sse_response(state, request, response_id, projector, headers=headers)
+        # An observer leaving (e.g. of a background response) must not stop the generation.
+        return sse_response(
+            state, request, response_id, projector, headers=headers, cancel_on_disconnect=True
+        )
     return _json(await responses_store.current(state, record), response_id)
 
 

@@ -112,8 +112,10 @@ class ToolChoiceParam(msgspec.Struct, frozen=True):
 
 
 class ThinkingParam(msgspec.Struct, frozen=True):
-    """``{"type": "enabled", "budget_tokens"}`` (counts toward ``max_tokens``), ``disabled``,
-    or ``adaptive`` (the model decides); ``display: "omitted"`` hides the thinking text."""
+    """How much to think: ``enabled`` (with a budget), ``disabled`` or ``adaptive``.
+
+    ``budget_tokens`` counts toward ``max_tokens``; ``display: "omitted"`` hides the text.
+    """
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Meta(ge=1)] | None = None

@@ -82,14 +82,20 @@ class ChatContext(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PromptTokensDetails(msgspec.Struct):
+    """``usage.prompt_tokens_details``: cached prompt tokens (a subset of prompt_tokens)."""
+
     cached_tokens: int
 
 
 class CompletionTokensDetails(msgspec.Struct):
+    """``usage.completion_tokens_details``: reasoning tokens (a subset of completion_tokens)."""
+
     reasoning_tokens: int
 
 
 class CompletionUsage(msgspec.Struct):
+    """Token accounting, in the non-streaming body and the final ``choices: []`` chunk."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -98,12 +104,16 @@ class CompletionUsage(msgspec.Struct):
 
 
 class TopLogprobOut(msgspec.Struct):
+    """One alternative in ``top_logprobs``."""
+
     token: str
     logprob: float
     bytes: list[int] | None
 
 
 class LogprobOut(msgspec.Struct):
+    """Log-probability of one sampled token."""
+
     token: str
     logprob: float
     bytes: list[int] | None
@@ -111,16 +121,22 @@ class LogprobOut(msgspec.Struct):
 
 
 class ChoiceLogprobs(msgspec.Struct):
+    """``choices[].logprobs``; the SDK concatenates ``content`` across chunks."""
+
     content: list[LogprobOut] | None
     refusal: None = None
 
 
 class FunctionDelta(msgspec.Struct):
+    """``tool_calls[].function`` in a delta: ``name`` only in the call's first delta."""
+
     name: str | UnsetType = UNSET
     arguments: str = ""
 
 
 class ToolCallDelta(msgspec.Struct):
+    """A tool-call delta: ``id`` and ``type`` only in the call's first delta."""
+
     index: int
     id: str | UnsetType = UNSET
     type: Literal["function"] | UnsetType = UNSET
@@ -128,6 +144,8 @@ class ToolCallDelta(msgspec.Struct):
 
 
 class Delta(msgspec.Struct):
+    """``choices[].delta``; unset fields are omitted, since the SDK concatenates strings."""
+
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType | None = UNSET
     reasoning_content: str | UnsetType = UNSET
@@ -136,6 +154,8 @@ class Delta(msgspec.Struct):
 
 
 class ChunkChoice(msgspec.Struct):
+    """The one choice of a chunk (``n`` is always 1)."""
+
     index: int
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
@@ -154,17 +174,23 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class FunctionOut(msgspec.Struct):
+    """A complete tool call's function: name and JSON arguments as text."""
+
     name: str
     arguments: str
 
 
 class ToolCallOut(msgspec.Struct):
+    """A complete tool call in the non-streaming message."""
+
     id: str
     function: FunctionOut
     type: Literal["function"] = "function"
 
 
 class ResponseMessage(msgspec.Struct):
+    """The assistant message; content is null when the turn is only tool calls."""
+
     content: str | None
     role: Literal["assistant"] = "assistant"
     refusal: None = None
@@ -174,6 +200,8 @@ class ResponseMessage(msgspec.Struct):
 
 
 class Choice(msgspec.Struct):
+    """The one choice of a non-streaming response."""
+
     index: int
     message: ResponseMessage
     finish_reason: ChatFinishReason

@@ -1,20 +1,24 @@
-"""Parse a ``POST /v1/responses`` body into the canonical job, and rebuild conversations.
+"""Parse a ``POST /v1/responses`` body into the canonical job and the response skeleton.
 
-Owns the request Structs, validation (every failure is ``InvalidRequest`` with the offending
-``param``, never FastAPI's 422), the mapping of Responses input items onto ``Message`` turns
-(also used to replay a stored response's output for ``previous_response_id``), and the echo of
-request parameters into the ``Response`` skeleton. No I/O: the route loads stored history and
-passes it in.
+Owns the request Struct, validation (every failure is ``InvalidRequest`` with the offending
+``param``, never FastAPI's 422), the mapping of parameters onto ``GenerateRequest`` (tools,
+tool_choice, sampling, reasoning, limits) and their echo into the ``Response`` skeleton. Input
+items become turns in ``openai_responses_items``. No I/O: the route loads stored history (for
+``previous_response_id``) and passes it in.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Literal, cast
 
 import msgspec
 
+from services.api.wire.openai_responses_items import (
+    JsonObject,
+    items_to_messages,
+    validation_error,
+)
 from services.api.wire.openai_responses_types import (
     FunctionTool,
     ReasoningConfig,
@@ -29,7 +33,6 @@ from shared.jobs import (
     ReasoningEffort,
     SamplingParams,
     TextPart,
-    ToolCall,
     ToolChoice,
     ToolDef,
 )
@@ -38,12 +41,10 @@ __all__ = [
     "ResponsesRequest",
     "build_job",
     "input_messages",
-    "items_to_messages",
     "parse_request",
     "skeleton",
 ]
 
-JsonObject = dict[str, object]
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Efforts newer SDKs know that the job's vocabulary lacks map onto its strongest level.
 _EFFORTS: dict[str, ReasoningEffort] = {
@@ -97,47 +98,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-class _Part(msgspec.Struct, kw_only=True):
-    type: str
-    text: str | None = None
-    refusal: str | None = None
-
-
-class _MessageIn(msgspec.Struct, kw_only=True):
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[_Part]
-
-
-class _FunctionCallIn(msgspec.Struct, kw_only=True):
-    call_id: str
-    name: str
-    arguments: str
-
-
-class _FunctionCallOutputIn(msgspec.Struct, kw_only=True):
-    call_id: str
-    output: str | list[_Part]
-
-
-class _ReasoningIn(msgspec.Struct, kw_only=True):
-    summary: list[_Part] = []
-    content: list[_Part] | None = None
-    encrypted_content: str | None = None  # opaque, possibly from another server: ignored
-
-
-_AT = re.compile(r" - at `\$\.?(.*)`$")
-
-
-def _invalid(exc: msgspec.ValidationError, prefix: str = "") -> InvalidRequest:
-    """Turn msgspec's ``... - at `$.a[0].b``` message into a message plus ``param``."""
-    text = str(exc)
-    match = _AT.search(text)
-    path = match.group(1) if match else ""
-    param = f"{prefix}{'.' if prefix and path and not path.startswith('[') else ''}{path}"
-    message = _AT.sub("", text)
-    return InvalidRequest(f"{message} (at '{param}')" if param else message, param=param or None)
-
-
 def parse_request(body: bytes) -> ResponsesRequest:
     """Decode and validate a request body.
 
@@ -153,7 +113,7 @@ def parse_request(body: bytes) -> ResponsesRequest:
     try:
         req = msgspec.json.decode(body, type=ResponsesRequest)
     except msgspec.ValidationError as exc:
-        raise _invalid(exc) from exc
+        raise validation_error(exc) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
     _check_ranges(req)
@@ -162,8 +122,16 @@ def parse_request(body: bytes) -> ResponsesRequest:
             "'conversation' is not supported; chain turns with 'previous_response_id'",
             param="conversation",
         )
-    if req.background:
-        raise InvalidRequest("Background mode is not supported", param="background")
+    if req.background and req.store is False:
+        raise InvalidRequest("Background responses must be stored (store: true)", param="store")
+    if req.background and req.stream:
+        # A streaming client that disconnects cancels its generation, which background
+        # responses must survive; poll GET (or GET ?stream=true) instead.
+        raise InvalidRequest(
+            "stream with background is not supported; create it, then GET "
+            "/v1/responses/{id}?stream=true",
+            param="stream",
+        )
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type != "text":
         raise InvalidRequest(
@@ -185,6 +153,12 @@ def _check_ranges(req: ResponsesRequest) -> None:
         raise InvalidRequest("top_p must be greater than 0 and at most 1", param="top_p")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+    metadata = req.metadata or {}
+    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise InvalidRequest(
+            "metadata allows at most 16 pairs, keys up to 64 and values up to 512 characters",
+            param="metadata",
+        )
     effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is not None and effort not in _EFFORTS:
         raise InvalidRequest(
@@ -204,7 +178,7 @@ def _parse_tools(req: ResponsesRequest) -> list[FunctionTool]:
         try:
             tools.append(msgspec.convert(raw, FunctionTool))
         except msgspec.ValidationError as exc:
-            raise _invalid(exc, f"tools[{i}]") from exc
+            raise validation_error(exc, f"tools[{i}]") from exc
     return tools
 
 
@@ -259,6 +233,7 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
         id=response_id,
         created_at=created_at,
         status="in_progress",
+        background=bool(req.background),
         instructions=req.instructions,
         max_output_tokens=req.max_output_tokens,
         model=req.model,
@@ -274,128 +249,6 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
         user=req.user,
         metadata=req.metadata or {},
     )
-
-
-def _part_text(part: _Part, where: str) -> str:
-    if part.type in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-        return part.text or ""
-    if part.type == "refusal":
-        return part.refusal or ""
-    raise InvalidRequest(
-        f"Content part type {part.type!r} is not supported: this server serves text-only models",
-        param=where,
-    )
-
-
-def _content_text(content: str | list[_Part], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(_part_text(p, f"{where}[{j}]") for j, p in enumerate(content))
-
-
-class _Conversation:
-    """Folds items into turns: one assistant message per turn gathers reasoning, text, calls."""
-
-    def __init__(self, prior: Sequence[Message]) -> None:
-        self.messages: list[Message] = list(prior)
-        self.call_names = {c.id: c.name for m in prior for c in m.tool_calls}
-        self._text: list[str] = []
-        self._calls: list[ToolCall] = []
-        self._reasoning: list[str] = []
-
-    def reasoning(self, text: str) -> None:
-        if self._text or self._calls:
-            self.flush()
-        if text:
-            self._reasoning.append(text)
-
-    def assistant_text(self, text: str) -> None:
-        if self._calls:
-            self.flush()
-        self._text.append(text)
-
-    def call(self, call: ToolCall) -> None:
-        self.call_names[call.id] = call.name
-        self._calls.append(call)
-
-    def append(self, message: Message) -> None:
-        self.flush()
-        self.messages.append(message)
-
-    def flush(self) -> None:
-        # Reasoning with no answer after it (a cut-off turn) renders as nothing: drop it.
-        if self._text or self._calls:
-            text = "".join(self._text)
-            self.messages.append(
-                Message(
-                    role="assistant",
-                    content=[TextPart(text=text)] if text else [],
-                    tool_calls=self._calls,
-                    reasoning="".join(self._reasoning) or None,
-                )
-            )
-        self._text, self._calls, self._reasoning = [], [], []
-
-
-def items_to_messages(
-    items: Sequence[JsonObject], prior: Sequence[Message] = (), *, param: str = "input"
-) -> list[Message]:
-    """Map Responses items (input items, or a stored response's output) onto turns.
-
-    Args:
-        items: message, function_call, function_call_output and reasoning items.
-        prior: turns that come before these items (their tool calls name later outputs).
-        param: the request field the items came from, for error messages.
-
-    Returns:
-        ``prior`` followed by the items' turns.
-
-    Raises:
-        InvalidRequest: an unknown item type or a malformed item.
-    """
-    conv = _Conversation(prior)
-    for i, item in enumerate(items):
-        where = f"{param}[{i}]"
-        kind = item.get("type", "message" if "role" in item else None)
-        try:
-            _add_item(conv, kind, item, where)
-        except msgspec.ValidationError as exc:
-            raise _invalid(exc, where) from exc
-    conv.flush()
-    return conv.messages
-
-
-def _add_item(conv: _Conversation, kind: object, item: JsonObject, where: str) -> None:
-    if kind == "message":
-        msg = msgspec.convert(item, _MessageIn)
-        text = _content_text(msg.content, f"{where}.content")
-        if msg.role == "assistant":
-            conv.assistant_text(text)
-        else:
-            role: Literal["user", "system"] = "user" if msg.role == "user" else "system"
-            conv.append(Message(role=role, content=[TextPart(text=text)]))
-    elif kind == "function_call":
-        fc = msgspec.convert(item, _FunctionCallIn)
-        conv.call(ToolCall(id=fc.call_id, name=fc.name, arguments=fc.arguments))
-    elif kind == "function_call_output":
-        out = msgspec.convert(item, _FunctionCallOutputIn)
-        text = _content_text(out.output, f"{where}.output")
-        name = conv.call_names.get(out.call_id)
-        conv.append(
-            Message(role="tool", content=[TextPart(text=text)], tool_call_id=out.call_id, name=name)
-        )
-    elif kind == "reasoning":
-        rs = msgspec.convert(item, _ReasoningIn)
-        # Raw reasoning text is what the model wrote; a summary is the next best thing. An
-        # encrypted blob we cannot read (another server's) is ignored, never an error.
-        parts = rs.content if rs.content else rs.summary
-        conv.reasoning("".join(_part_text(p, f"{where}.content") for p in parts))
-    else:
-        raise InvalidRequest(
-            f"Input item type {kind!r} is not supported; use message, function_call, "
-            "function_call_output or reasoning items",
-            param=f"{where}.type",
-        )
 
 
 def input_messages(req: ResponsesRequest, history: Sequence[Message] = ()) -> list[Message]:

@@ -92,7 +92,7 @@ def build_gguf_tokenizer(
             f"unknown tokenizer.ggml.pre {pre!r}; known: {', '.join(sorted(PRE_TOKENIZERS))}"
         )
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs: list[tuple[str, str]] = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
     tk = Tokenizer(
         models.BPE(vocab=vocab, merges=pairs, unk_token=None, fuse_unk=False, byte_fallback=False)
     )

@@ -38,7 +38,7 @@ class WeightError(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Hyper-parameters of a Llama-family decoder (Hugging Face ``config.json`` names in comments)."""
+    """Hyper-parameters of a Llama-family decoder (``config.json`` names in the comments)."""
 
     vocab_size: int = 32000  # vocab_size
     hidden_size: int = 4096  # hidden_size

@@ -10,6 +10,14 @@ order. Each token is queued with the offset its text ends at in the decoded outp
 releases text up to some offset carries the queued ids that end there or earlier. Marker tokens
 have no text, so they ride on the event they open or close. Ids whose text is held back (a
 partial stop string, a matched stop, EOS) ride on ``Finish``.
+
+Everything is a pure function of the token sequence, so a continuation worker rebuilds the
+state by feeding the tokens a lost worker already published and discarding those events: call
+ids (a hash of request id and index), held text and the queued ids come out the same.
+
+Stop sequences apply to answer text only (never to reasoning or tool-call arguments), and tool
+calls are parsed only when the job declares tools, ``tool_choice`` is not ``none`` and the model
+card names a tool-call style.
 """
 
 from __future__ import annotations
@@ -97,7 +105,8 @@ class OutputDecoder:
         )
         use_tools = bool(job.tools) and job.tool_choice.mode != "none"
         self._tools = card.tools if use_tools else None
-        self._tool_names = {t.name for t in job.tools}
+        named = job.tool_choice.name if job.tool_choice.mode == "named" else None
+        self._tool_names = {named} if named else {t.name for t in job.tools}
         self._pos = 0  # characters decoded so far, over all channels
         self._queue: list[tuple[int, TokenLogprob | None, int]] = []  # (id, logprob, text end)
         self._finish_ids: list[int] = []
@@ -141,13 +150,16 @@ class OutputDecoder:
             self._enqueue(token_id, logprob)
             self._begin_calls(marker=tools.open)
             return out
-        if (
-            tools is not None
-            and tools.style == "hermes"
-            and token_id == tools.close_id
-            and self._mode == "calls"
-        ):
-            return self._close_hermes(token_id, logprob)
+        if tools is not None and tools.style == "hermes" and self._mode == "calls":
+            if token_id == tools.close_id:
+                return self._close_hermes(token_id, logprob)
+            if token_id == tools.open_id and self._await_marker is not None:
+                # A new <tool_call> where </tool_call> was due: end the finished call first.
+                done, self._await_marker = self._await_marker, None
+                out += self._end_call(done, self._pos)
+                self._enqueue(token_id, logprob)
+                self._begin_calls(marker=tools.open)
+                return out
         piece = self._enqueue(token_id, logprob, self._detok.step(token_id))
         return out + self._route(piece)
 

@@ -114,6 +114,13 @@ class JsonScanner:
                     return
             self._structural(ch)
 
+    @classmethod
+    def inside_object(cls) -> JsonScanner:
+        """A scanner positioned just after a ``,`` inside an object (expects a key)."""
+        scanner = cls()
+        scanner.stack, scanner.state = ["{"], "key"
+        return scanner
+
     def _finished(self) -> bool:
         return self.done
 
@@ -207,6 +214,7 @@ class CallParser:
         self._emitted = 0  # offset up to which argument text was emitted
         self._scanner: JsonScanner | None = None
         self._awaiting_close = False  # arguments done, the outer "}" not yet seen
+        self._tail: JsonScanner | None = None  # more keys after the arguments
 
     @property
     def in_call(self) -> bool:
@@ -280,16 +288,7 @@ class CallParser:
         scanner = self._scanner
         assert scanner is not None
         if self._awaiting_close:
-            while self.pos < len(self.buf):
-                ch = self.buf[self.pos]
-                self.pos += 1
-                if ch == "}":
-                    self._complete(out)
-                    return
-                if not ch.isspace():
-                    self._complete(out)  # tolerate junk where the outer brace belongs
-                    self.pos -= 1
-                    return
+            self._close_object(out)
             return
         while self.pos < len(self.buf) and not scanner.done and not scanner.error:
             scanner.feed(self.buf[self.pos])
@@ -305,6 +304,27 @@ class CallParser:
         if scanner.done:
             self._awaiting_close = True
 
+    def _close_object(self, out: list[Action]) -> None:
+        """After the arguments: skip further keys (Mistral's ``"id"``) up to the outer brace."""
+        while self.pos < len(self.buf):
+            ch = self.buf[self.pos]
+            self.pos += 1
+            tail = self._tail
+            if tail is not None:
+                tail.feed(ch)
+                if tail.done or tail.error:
+                    self._complete(out)
+                    return
+            elif ch == "}":
+                self._complete(out)
+                return
+            elif ch == ",":
+                self._tail = JsonScanner.inside_object()
+            elif not ch.isspace():
+                self._complete(out)  # tolerate junk where the outer brace belongs
+                self.pos -= 1
+                return
+
     def _complete(self, out: list[Action]) -> None:
         arguments = self.buf[self._args_start : self._emitted]
         try:
@@ -317,7 +337,7 @@ class CallParser:
         out.append(Completed(arguments=arguments, at=self.pos))
         self.completed += 1
         self.started = self._awaiting_close = False
-        self._scanner = None
+        self._scanner = self._tail = None
         self.obj_start = self.pos
 
     def _fail_or_trail(self, out: list[Action]) -> None:

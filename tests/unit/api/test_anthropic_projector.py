@@ -15,17 +15,18 @@ from services.api.wire.anthropic_messages import (
     PING,
     AnthropicProjector,
     MessageContext,
-    render,
+    render as render_message,
     service_error,
     tool_use_id,
 )
-from shared.accumulate import fold
+from shared.accumulate import Completion, fold
 from shared.errors import ServiceError
 from shared.events import (
     AnyEvent,
     Error,
     ErrorKind,
     Finish,
+    FinishReason,
     ReasoningDelta,
     ReasoningEnd,
     Start,
@@ -47,6 +48,10 @@ def project(events: list[AnyEvent], ctx: MessageContext = CTX) -> list[tuple[str
     projector = AnthropicProjector(ctx)
     frames = [f for e in events for f in projector.feed(e)] + projector.close()
     return parse_sse(b"".join(sse.encode(f) for f in frames))
+
+
+def render(completion: Completion, ctx: MessageContext) -> dict[str, Any]:
+    return render_message(completion, ctx)
 
 
 def shape(frames: list[tuple[str | None, Any]]) -> list[str]:
@@ -84,7 +89,8 @@ def test_reasoning_then_tool_call_block_sequence() -> None:
         "message_delta",
         "message_stop",
     ]
-    assert [d["index"] for n, d in frames if n.startswith("content_block")] == [0] * 4 + [1] * 4
+    blocks = [d["index"] for n, d in frames if (n or "").startswith("content_block")]
+    assert blocks == [0] * 4 + [1] * 4
     tool = frames[5][1]["content_block"]
     assert tool == {"type": "tool_use", "id": "toolu_a1", "name": "get_weather", "input": {}}
 
@@ -304,7 +310,8 @@ def streams(draw: st.DrawFn) -> list[AnyEvent]:
             events.append(ToolCallEnd(index=calls, arguments=args))
             calls += 1
     events.append(Usage(input_tokens=20, output_tokens=len(events), cached_tokens=5))
-    reason = draw(st.sampled_from(["end_turn", "max_tokens", "tool_use", "stop_sequence"]))
+    reasons: list[FinishReason] = ["end_turn", "max_tokens", "tool_use", "stop_sequence"]
+    reason = draw(st.sampled_from(reasons))
     events.append(Finish(reason=reason, stop_sequence="###" if reason == "stop_sequence" else None))
     return events
 

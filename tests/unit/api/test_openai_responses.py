@@ -46,7 +46,8 @@ def project(events: list[AnyEvent], starting_after: int = -1) -> list[dict[str, 
 
 
 def _rendered(events: list[AnyEvent]) -> dict[str, Any]:
-    return json.loads(msgspec.json.encode(render(fold(events), _skeleton())))
+    out: dict[str, Any] = json.loads(msgspec.json.encode(render(fold(events), _skeleton())))
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

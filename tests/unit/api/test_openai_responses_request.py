@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from services.api.wire.openai_responses_items import items_to_messages
 from services.api.wire.openai_responses_request import (
     build_job,
     input_messages,
-    items_to_messages,
     parse_request,
     skeleton,
 )
@@ -236,6 +236,12 @@ def test_skeleton_echoes_request_parameters() -> None:
             "one of",
         ),
         ({"model": "m"}, "input", "required"),
+        (
+            {"model": "m", "input": "x", "metadata": {str(i): "v" for i in range(17)}},
+            "metadata",
+            "at most 16",
+        ),
+        ({"model": "m", "input": "x", "metadata": {"k": 1}}, "metadata", "str"),
         ({"model": "m", "input": 5}, "input", "Expected"),
         (
             {"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}},
@@ -269,7 +275,8 @@ def test_skeleton_echoes_request_parameters() -> None:
             "input[0]",
             "call_id",
         ),
-        ({"model": "m", "input": "x", "background": True}, "background", "Background"),
+        ({"model": "m", "input": "x", "background": True, "store": False}, "store", "stored"),
+        ({"model": "m", "input": "x", "background": True, "stream": True}, "stream", "GET"),
         (
             {"model": "m", "input": "x", "conversation": "conv_1"},
             "conversation",

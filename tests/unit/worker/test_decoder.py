@@ -45,7 +45,9 @@ def test_plain_text_ends_on_eos_with_usage() -> None:
     done = fold(events)
     assert done.text == "Hello, world!"
     assert done.finish == Finish(reason="end_turn", token_ids=[EOS])
-    assert done.usage == Usage(input_tokens=7, output_tokens=len(ids("Hello, world!")) + 1, cached_tokens=2)
+    assert done.usage == Usage(
+        input_tokens=7, output_tokens=len(ids("Hello, world!")) + 1, cached_tokens=2
+    )
 
 
 def test_prompt_opened_reasoning_then_answer() -> None:
@@ -55,7 +57,10 @@ def test_prompt_opened_reasoning_then_answer() -> None:
     assert (done.reasoning, done.text) == ("The user greets me.", "Hi there.")
     end = next(e for e in events if isinstance(e, ReasoningEnd))
     assert end.token_ids == [END_THINK]
-    assert done.usage is not None and done.usage.reasoning_tokens == len(ids("The user greets me.")) + 1
+    assert (
+        done.usage is not None
+        and done.usage.reasoning_tokens == len(ids("The user greets me.")) + 1
+    )
 
 
 def test_model_opened_reasoning_marker_rides_on_first_delta() -> None:
@@ -91,7 +96,16 @@ def test_effort_none_closes_a_block_the_template_could_not_prevent() -> None:
 
 
 def test_tool_call_inside_reasoning_is_reasoning() -> None:
-    script = [THINK, *ids("maybe "), CALL, *ids(WEATHER_CALL), END_CALL, END_THINK, *ids("No."), EOS]
+    script = [
+        THINK,
+        *ids("maybe "),
+        CALL,
+        *ids(WEATHER_CALL),
+        END_CALL,
+        END_THINK,
+        *ids("No."),
+        EOS,
+    ]
     done = fold(drive(script))
     assert done.tool_calls == [] and "get_weather" in done.reasoning
     assert done.finish is not None and done.finish.reason == "end_turn"
@@ -123,6 +137,24 @@ def test_parallel_and_parameterless_calls_get_dense_indexes_and_distinct_ids() -
         (1, "get_time", "{}"),
     ]
     assert calls[0].call_id != calls[1].call_id
+
+
+def test_missing_close_marker_between_calls_keeps_both_calls() -> None:
+    script = [CALL, *ids(WEATHER_CALL), *hermes('{"name": "get_time", "arguments": {}}'), EOS]
+    events = drive(script)
+    assert [c.name for c in fold(events).tool_calls] == ["get_weather", "get_time"]
+
+
+def test_eos_before_the_close_marker_still_ends_a_complete_call() -> None:
+    events = drive([CALL, *ids(WEATHER_CALL + "\n"), EOS])
+    done = fold(events)
+    assert [c.arguments for c in done.tool_calls] == ['{"city": "Paris"}']
+    assert done.finish == Finish(reason="tool_use", token_ids=[EOS])
+
+
+def test_text_after_a_call_is_text() -> None:
+    done = fold(drive([*hermes(WEATHER_CALL), *ids(" Done."), EOS]))
+    assert done.text == " Done." and len(done.tool_calls) == 1
 
 
 def test_parallel_tool_calls_false_stops_after_the_first_call() -> None:
@@ -192,6 +224,19 @@ def test_mistral_list_of_calls() -> None:
     done = fold(events)
     assert [c.name for c in done.tool_calls] == ["get_weather", "get_time"]
     assert done.text == "Sure." and done.finish is not None and done.finish.reason == "tool_use"
+
+
+def test_mistral_call_with_an_id_key_after_the_arguments() -> None:
+    body = ' [{"name": "get_time", "arguments": {}, "id": "abc123xyz"}]'
+    done = fold(drive([TOOL_CALLS, *ids(body), EOS], card=make_card(MISTRAL)))
+    assert [(c.name, c.arguments) for c in done.tool_calls] == [("get_time", "{}")]
+    assert done.text == ""
+
+
+def test_named_tool_choice_accepts_only_that_tool() -> None:
+    job = make_job(tool_choice=ToolChoice(mode="named", name="get_time"))
+    done = fold(drive([*hermes(WEATHER_CALL), EOS], job=job))
+    assert done.tool_calls == [] and "get_weather" in done.text
 
 
 def test_llama3_json_reply_is_a_call_and_prose_is_not() -> None:

@@ -1,4 +1,4 @@
-"""GGUF and Hugging Face loading: round trips, the GGUF tokenizer, and one clear error per failure."""
+"""GGUF and Hugging Face loading: round trips, the GGUF tokenizer, one clear error per failure."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import ModelLoadError, load_model
-from services.worker.loaders.gguf import unpermute_qk
+from services.worker.loaders.gguf import dequantize_fast, unpermute_qk
 from services.worker.loaders.tokenizer import build_gguf_tokenizer
 from services.worker.models.llama import LlamaModel
 from tests.worker_models import (
@@ -63,10 +63,22 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     for heads in (8, 2):
         permuted = permute_qk(w, heads)
         assert not np.array_equal(permuted, w)
-        assert np.array_equal(unpermute_qk(permuted, heads), w)
+        assert np.array_equal(unpermute_qk(torch.from_numpy(permuted), heads).numpy(), w)
 
 
-@pytest.mark.parametrize(("qtype", "atol"), [(Q.F32, 0.0), (Q.F16, 2e-3), (Q.Q8_0, 2e-2)])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_fast_dequantize_equals_gguf_reference(qtype: Q) -> None:
+    a = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    packed = gguf.quants.quantize(a, qtype)
+    fast = dequantize_fast(packed, qtype)
+    assert fast is not None
+    assert np.array_equal(fast.numpy(), gguf.quants.dequantize(packed, qtype).reshape(-1))
+    assert dequantize_fast(packed, Q.Q6_K) is None
+
+
+@pytest.mark.parametrize(
+    ("qtype", "atol"), [(Q.F32, 0.0), (Q.F16, 2e-3), (Q.Q8_0, 2e-2), (Q.Q4_1, 0.15)]
+)
 @pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
 def test_gguf_round_trip_matches_hf_weights_and_logits(
     tmp_path: Path, arch: str, qtype: Q, atol: float
@@ -129,7 +141,7 @@ def test_unknown_architecture_hf(tmp_path: Path) -> None:
     cfg = json.loads((tmp_path / "m/config.json").read_text())
     cfg.update(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
     (tmp_path / "m/config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="unknown architecture.*GPTNeoX"):
+    with pytest.raises(ModelLoadError, match=r"unknown architecture.*GPTNeoX"):
         load_model(str(tmp_path / "m"))
 
 
@@ -199,14 +211,14 @@ def test_unknown_pre_tokenizer(tmp_path: Path) -> None:
         tk,
         pre="mystery-pre",
     )
-    with pytest.raises(ModelLoadError, match="unknown tokenizer.ggml.pre 'mystery-pre'"):
+    with pytest.raises(ModelLoadError, match=r"unknown tokenizer\.ggml\.pre 'mystery-pre'"):
         load_model(str(tmp_path / "m.gguf"))
 
 
 def test_corrupt_safetensors(tmp_path: Path) -> None:
     write_hf_model(tmp_path / "m")
     (tmp_path / "m/model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with pytest.raises(ModelLoadError, match="corrupt weight file model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"corrupt weight file model\.safetensors"):
         load_model(str(tmp_path / "m"))
 
 
@@ -223,7 +235,7 @@ def test_missing_shard_and_tokenizer(tmp_path: Path) -> None:
 
 def test_not_a_model(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(ModelLoadError, match="neither a .gguf file nor a model directory"):
+    with pytest.raises(ModelLoadError, match=r"neither a \.gguf file nor a model directory"):
         load_model(str(tmp_path / "weights.bin"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match=r"missing config\.json"):

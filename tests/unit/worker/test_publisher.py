@@ -45,7 +45,8 @@ async def test_exactly_one_terminal(redis: aioredis.Redis) -> None:
     pub = Publisher(redis, RID, "w1", settings())
     assert await pub.acquire()
     await pub.publish([start()])
-    assert await pub.publish([Usage(input_tokens=3, output_tokens=0), Finish(reason="end_turn")])
+    done: list[AnyEvent] = [Usage(input_tokens=3, output_tokens=0), Finish(reason="end_turn")]
+    assert await pub.publish(done) is Outcome.OK
     assert isinstance(pub.terminal, Finish)
     assert not await pub.ensure_terminal(lambda: [Error(kind="internal", message="late")])
     with pytest.raises(RuntimeError, match="after the terminal"):
