@@ -281,7 +281,11 @@ class PromptRenderer:
             originals.append(value)
             return f"\u2063{nonce}{len(originals) - 1}\u2063"
         if isinstance(value, dict):
-            return {k: self._mask(v, originals, nonce, k) for k, v in value.items()}
+            # Keys are client text too (a tool schema's property names, argument names).
+            return {
+                self._mask(k, originals, nonce): self._mask(v, originals, nonce, k)
+                for k, v in value.items()
+            }
         if isinstance(value, list):
             return [self._mask(v, originals, nonce, key) for v in value]
         return value

@@ -78,7 +78,10 @@ def comment(text: str = "keepalive") -> bytes:
         text: the comment text (line breaks are replaced by spaces).
 
     Returns:
-        ``: <text>\\n\\n``.
+        ``: <text>\\n``: one line, no blank line after it. The openai SDK keeps the last
+        ``id:`` across events (as the spec says) but then treats a blank line with an empty data
+        buffer as an event whenever an id is set, and ``json.loads("")`` kills the stream; a
+        comment that is not followed by a blank line dispatches nothing in any decoder.
     """
     flat = text.replace("\r", " ").replace("\n", " ")
-    return b": " + flat.encode() + b"\n\n"
+    return b": " + flat.encode() + b"\n"

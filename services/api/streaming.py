@@ -153,7 +153,7 @@ async def _frames(
             yield b"".join(sse.encode(f) for f in [*projector.feed(error), *projector.close()])
     finally:
         if not finished and cancel_on_disconnect:  # client gone before the end
-            _spawn(state, _cancel_quietly(state, rid))
+            _spawn(state, _cancel_unless_resumed(state, rid))
 
 
 def sse_response(

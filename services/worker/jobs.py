@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from services.worker.backend import Backend
-from services.worker.publisher import Outcome, Publisher
+from services.worker.publisher import ACQUIRE, Outcome, Publisher
 from shared import keys
 from shared.codec import decode_entry, decode_job, encode_job
 from shared.config import Settings
@@ -116,21 +117,18 @@ def _error_event(exc: BaseException) -> Error:
 async def run_job(wc: WorkerContext, job: GenerateRequest) -> None:
     """Generate ``job`` onto its stream (idempotent; resumes a lost worker's partial output)."""
     rid = job.request_id
-    async with wc.redis.pipeline(transaction=False) as pipe:
-        pipe.xrange(keys.events(rid))
-        pipe.exists(keys.cancel(rid))
-        pipe.hget(keys.request(rid), "attempts")
-        # Recovery rebuilds continuations from the request hash; keep the job there even when
-        # something other than the API enqueued it (the API's own copy wins: HSETNX).
-        pipe.hsetnx(keys.request(rid), "job", encode_job(job))  # type: ignore[arg-type]
-        pipe.expire(keys.request(rid), wc.settings.retention_s, nx=True)
-        entries, cancel_flag, attempts, _, _ = await pipe.execute()
+    pub = Publisher(wc.redis, rid, wc.wid, wc.settings)
+    try:
+        entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
+    except NoScriptError:  # Redis restarted and forgot our scripts
+        await ACQUIRE.load(wc.redis)
+        entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
     history = [decode_entry(fields) for _, fields in entries]
     if history and is_terminal(history[-1]):
         log.info("%s: already finished; duplicate job ignored", rid)
+        await _settle(wc, pub, finished=True)
         return
-    pub = Publisher(wc.redis, rid, wc.wid, wc.settings)
-    if not await pub.acquire():
+    if not acquired:
         log.warning("%s: another worker holds the lease; not generating", rid)
         return
     wc.served += 1
@@ -139,7 +137,6 @@ async def run_job(wc: WorkerContext, job: GenerateRequest) -> None:
     active = ActiveJob(rid, asyncio.current_task())
     wc.active[rid] = active
     try:
-        await wc.redis.zadd(keys.inflight(wc.name), {rid: time.time() * 1000}, nx=True)
         if cancel_flag:
             await pub.ensure_terminal(lambda: _cancelled_before(tally, history))
         else:
@@ -148,7 +145,24 @@ async def run_job(wc: WorkerContext, job: GenerateRequest) -> None:
     finally:
         wc.active.pop(rid, None)
         if not wc.killed:
-            await asyncio.shield(_settle(wc, pub))
+            await asyncio.shield(_settle(wc, pub, finished=pub.terminal is not None))
+
+
+async def _open(wc: WorkerContext, job: GenerateRequest, pub: Publisher) -> list[Any]:
+    """One round trip to get going: history, cancel flag, attempts, the lease, in-flight entry."""
+    rid = job.request_id
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        pipe.xrange(keys.events(rid))
+        pipe.exists(keys.cancel(rid))
+        pipe.hget(keys.request(rid), "attempts")
+        pub.queue_acquire(pipe)
+        # Recovery rebuilds continuations from the request hash; keep the job there even when
+        # something other than the API enqueued it (the API's own copy wins: HSETNX).
+        pipe.hsetnx(keys.request(rid), "job", encode_job(job))  # type: ignore[arg-type]
+        pipe.expire(keys.request(rid), wc.settings.retention_s, nx=True)
+        pipe.zadd(keys.inflight(wc.name), {rid: time.time() * 1000}, nx=True)
+        results: list[Any] = await pipe.execute()
+    return results[:4]
 
 
 def _cancelled_before(tally: _Tally, history: list[AnyEvent]) -> list[AnyEvent]:
@@ -157,10 +171,10 @@ def _cancelled_before(tally: _Tally, history: list[AnyEvent]) -> list[AnyEvent]:
     return tally.cancelled()
 
 
-async def _settle(wc: WorkerContext, pub: Publisher) -> None:
+async def _settle(wc: WorkerContext, pub: Publisher, *, finished: bool) -> None:
     """Release the lease; drop the request from the in-flight set once its stream is final."""
     try:
-        if pub.terminal is not None:
+        if finished:
             await wc.redis.zrem(keys.inflight(wc.name), pub.rid)
         await pub.release()
     except Exception:  # the sweeper reconciles whatever this could not clean up

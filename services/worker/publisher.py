@@ -199,6 +199,10 @@ class Publisher:
         """Take the lease for this owner (False: another live worker holds it)."""
         return bool(await ACQUIRE(self.redis, self._keys[1:2], self._head[:2]))
 
+    def queue_acquire(self, pipe: Any) -> None:
+        """Queue ``acquire`` on a pipeline (its reply is 1 when taken); ACQUIRE must be loaded."""
+        ACQUIRE.queue(pipe, self._keys[1:2], self._head[:2])
+
     async def release(self) -> None:
         """Drop the lease if this owner still holds it."""
         await RELEASE(self.redis, self._keys[1:2], [self.owner])

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from services.api.errors import openai_error_body
+from services.api.sse import comment
 from services.api.wire.openai_chat import error_from_event, render
 from shared.accumulate import fold
 from shared.events import Error
@@ -42,6 +43,8 @@ async def _completions(request: Request) -> Response:
     stem, scenario, usage, shown = CASES[body["metadata"]["golden"]]
     if body.get("stream"):
         data = (GOLDEN_DIR / f"{stem}.sse").read_bytes()
+        if body["metadata"].get("keepalive"):
+            data = _with_ids_and_keepalives(data)
         return Response(data, media_type="text/event-stream; charset=utf-8")
     events = SCENARIOS[scenario]()
     check_stream(events)
@@ -51,6 +54,14 @@ async def _completions(request: Request) -> Response:
         return Response(json.dumps(err), status_code=status, media_type="application/json")
     ctx = context(include_usage=usage, include_reasoning=shown)
     return Response(msgspec.json.encode(render(completion, ctx)), media_type="application/json")
+
+
+def _with_ids_and_keepalives(data: bytes) -> bytes:
+    """What the pipeline sends on a slow stream: ``id:`` on events, keepalives in between."""
+    events = data.split(b"\n\n")[:-1]
+    return b"".join(
+        b"id: %d-0\n" % i + event + b"\n\n" + comment() for i, event in enumerate(events)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +182,19 @@ def test_in_band_error_raises_api_error(client: openai.OpenAI, stem: str) -> Non
         client.chat.completions.stream(**_request(stem)) as stream,  # type: ignore[arg-type]
     ):
         stream.get_final_completion()
+
+
+@pytest.mark.parametrize("stem", ["text.usage", "parallel_tool_calls"])
+def test_keepalives_after_event_ids_are_invisible_to_the_sdk(
+    client: openai.OpenAI, stem: str
+) -> None:
+    # The SDK keeps the last id: across events; a keepalive must not look like an empty event.
+    request = _request(stem)
+    plain = client.chat.completions.create(stream=True, **request)  # type: ignore[call-overload]
+    request["metadata"] = {"golden": stem, "keepalive": "1"}
+    with client.chat.completions.stream(**request) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_completion()
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    for chunk in plain:
+        state.handle_chunk(chunk)
+    assert _summary(final) == _summary(state.get_final_completion())

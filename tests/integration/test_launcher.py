@@ -104,8 +104,14 @@ def launch() -> Iterator[list[Launcher]]:
     yield started
     for launcher in started:
         if launcher.proc.poll() is None:
-            launcher.proc.kill()
-            launcher.proc.wait()
+            # SIGTERM lets the launcher stop its children; a SIGKILL would orphan any child
+            # that ignores the parent-death SIGTERM.
+            launcher.proc.send_signal(signal.SIGTERM)
+            try:
+                launcher.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                launcher.proc.kill()
+                launcher.proc.wait()
 
 
 def _env(redis_url: str) -> dict[str, str]:

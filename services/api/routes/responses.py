@@ -59,8 +59,9 @@ async def create_response(request: Request) -> Response:
         history = await responses_store.conversation(state, req.previous_response_id, owner)
     conversation = input_messages(req, history)
     job = build_job(req, request_id=rid, conversation=conversation, owner=owner, created=0.0)
+    echo = skeleton(req, rid, 0)  # built before submit: every check passes before enqueueing
     job = await submit(state, job, owner=owner)
-    echo = skeleton(req, rid, int(job.created))
+    echo = msgspec.structs.replace(echo, created_at=int(job.created))
     if echo.store:
         await responses_store.save(state, owner, echo)
     if echo.background:  # generation goes on without this connection; GET reads it later
@@ -87,7 +88,7 @@ async def retrieve_response(
         headers = {"x-request-id": response_id}
         # An observer leaving (e.g. of a background response) must not stop the generation.
         return sse_response(
-            state, request, response_id, projector, headers=headers, cancel_on_disconnect=True
+            state, request, response_id, projector, headers=headers, cancel_on_disconnect=False
         )
     return _json(await responses_store.current(state, record), response_id)
 

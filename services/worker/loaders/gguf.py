@@ -209,7 +209,8 @@ def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard]:
         cfg = _config(meta, arch, tokenizer.get_vocab_size(), tied="output.weight" not in names)
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{path.name}: missing or bad {arch}.* hyper-parameters") from exc
-    model = model_cls(model_cls.config_from_hf(cfg))
+    with torch.device("meta"):  # weights come from the file: skip random init
+        model = model_cls(model_cls.config_from_hf(cfg))
     try:
         model.load_hf_weights(_tensors(reader, arch, cfg))
     except WeightError as exc:

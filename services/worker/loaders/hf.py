@@ -103,7 +103,8 @@ def load_hf_dir(directory: Path, name: str) -> tuple[LlamaModel, Tokenizer, Mode
         config = model_cls.config_from_hf(cfg)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"config.json: missing or bad field {exc}") from exc
-    model = model_cls(config)
+    with torch.device("meta"):  # weights come from the file: skip random init
+        model = model_cls(config)
     try:
         model.load_hf_weights(_safetensors(directory))
     except WeightError as exc:

@@ -83,7 +83,9 @@ class LlamaConfig:
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """Rotary inverse frequencies, with Llama 3 frequency scaling when the config asks for it."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
+    )
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "llama3":
@@ -231,7 +233,9 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        freqs = torch.outer(torch.arange(cfg.context_length).float(), rope_inv_freq(cfg))
+        cpu = torch.device("cpu")  # explicit: the model may be built under torch.device("meta")
+        positions = torch.arange(cfg.context_length, device=cpu).float()
+        freqs = torch.outer(positions, rope_inv_freq(cfg).to(cpu))
         emb = torch.cat((freqs, freqs), dim=-1)  # (ctx, hd)
         # Plain attributes, not buffers: model.to(bfloat16) must not round the fp32 tables.
         self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
@@ -287,4 +291,7 @@ class LlamaModel(nn.Module):
                 )
             if not torch.isfinite(t).all():
                 raise WeightError(f"tensor {name} holds NaN or infinite values")
-        self.load_state_dict(fused, strict=False)
+        # assign=True adopts the tensors, so a model built on the meta device needs no init pass.
+        self.load_state_dict(fused, strict=False, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,241 @@
+"""API streaming benchmark: concurrent SSE streams per API process, and XADD → socket latency.
+
+Usage (from the repository root, with the project's venv)::
+
+    .venv/bin/python ops/bench/streams.py                          # private redis-server
+    .venv/bin/python ops/bench/streams.py --levels 250,500,1000,1500 --seconds 8
+
+It starts one real ``sluice api`` process and, per level N, a publisher process that plays the
+worker: N request streams, one ``TextDelta`` per stream every 50 ms (20 tokens/s), all streams
+of a tick in one pipeline (as a batching worker publishes one decode step), each event carrying
+the wall-clock time its XADD pipeline was sent. N raw-socket SSE clients in this process read
+``GET /v1/requests/{id}/events`` and record, per event, ``receive time - XADD time``: the delay
+the API pipeline adds (Redis hop, hub fan-out, projection, SSE write, loopback). A level passes
+when that delay's p99 is under 50 ms; the run stops at the first failing level.
+
+A separate probe measures the idle-path latency: one stream, single XADDs 10 ms apart, time
+taken immediately before each XADD, median/p90/p99 of XADD → bytes read from the API socket.
+
+Request hashes are written directly (owner "", no arq job): nothing but the API's streaming path
+is measured. Not a test: it prints Markdown for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.codec import encode_entry, encode_job
+from shared.events import Finish, Start, TextDelta, Usage
+from shared.jobs import GenerateRequest
+
+TICK_S = 0.05  # 20 tokens/s per stream
+_JSON = msgspec.json.Decoder()
+
+
+def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A private redis-server on a unix socket (no persistence)."""
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        sys.exit("streams.py: no redis-server on PATH; pass --redis-url")
+    sock = tmp / "redis.sock"
+    proc = subprocess.Popen(
+        [binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
+         "--save", "", "--appendonly", "no", "--maxclients", "20000"],
+        stdout=subprocess.DEVNULL,
+    )
+    for _ in range(200):
+        if sock.exists():
+            break
+        time.sleep(0.01)
+    return proc, f"unix://{sock}"
+
+
+def start_api(redis_url: str, port: int) -> subprocess.Popen[bytes]:
+    """``sluice api`` as its own process (uvicorn, uvloop/httptools when installed)."""
+    env = {**os.environ, "SLUICE_REDIS_URL": redis_url, "SLUICE_PORT": str(port),
+           "SLUICE_LOG_LEVEL": "warning", "SLUICE_KEEPALIVE_S": "15"}
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "api"], env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def create_requests(redis: aioredis.Redis, prefix: str, n: int) -> list[str]:
+    """Request hashes as ``submit`` stores them (the API checks ownership before streaming)."""
+    rids = [f"req_{prefix}_{i:05d}" for i in range(n)]
+    async with redis.pipeline(transaction=False) as pipe:
+        for rid in rids:
+            job = GenerateRequest(request_id=rid, model="bench", created=time.time())
+            pipe.hset(keys.request(rid), mapping={"owner": "", "model": "bench", "job": encode_job(job)})
+            pipe.xadd(keys.events(rid), encode_entry(Start(request_id=rid, model="bench", prompt_tokens=1)))
+        await pipe.execute()
+    return rids
+
+
+def publisher(redis_url: str, rids: list[str], seconds: float, go: object) -> None:
+    """Process body: one pipelined XADD per stream every tick, then Usage + Finish."""
+
+    async def run() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        go.wait()  # type: ignore[attr-defined]
+        end = time.monotonic() + seconds
+        next_tick = time.monotonic()
+        count = 0
+        while time.monotonic() < end:
+            async with redis.pipeline(transaction=False) as pipe:
+                stamp = str(time.time_ns())
+                for rid in rids:
+                    pipe.xadd(keys.events(rid), encode_entry(TextDelta(text=stamp, token_ids=[1])))
+                await pipe.execute()
+            count += 1
+            next_tick += TICK_S
+            await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+        async with redis.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.xadd(keys.events(rid), encode_entry(Usage(input_tokens=1, output_tokens=count)))
+                pipe.xadd(keys.events(rid), encode_entry(Finish(reason="end_turn")))
+            await pipe.execute()
+        await redis.aclose()
+
+    asyncio.run(run())
+
+
+async def sse_client(port: int, rid: str, delays: list[float], ready: asyncio.Event | None) -> int:
+    """Read one SSE stream over a raw socket; append ``receive - XADD`` (ms) per text event."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET /v1/requests/{rid}/events HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+    await writer.drain()
+    buf = b""
+    events = 0
+    done = False
+    while not done:
+        chunk = await reader.read(65536)
+        now = time.time_ns()
+        if not chunk:
+            break
+        if ready is not None:
+            ready.set()
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data: "):
+                continue
+            event = _JSON.decode(line[6:])
+            events += 1
+            if event["type"] == "text":
+                delays.append((now - int(event["text"])) / 1e6)
+            elif event["type"] in ("finish", "error"):
+                done = True
+    writer.close()
+    return events
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def run_level(redis: aioredis.Redis, redis_url: str, port: int, n: int, seconds: float) -> dict[str, float]:
+    rids = await create_requests(redis, f"n{n}", n)
+    delays: list[float] = []
+    go = mp.Event()
+    proc = mp.Process(target=publisher, args=(redis_url, rids, seconds, go))
+    proc.start()
+    readies = [asyncio.Event() for _ in rids]
+    clients = [asyncio.create_task(sse_client(port, rid, delays, ev)) for rid, ev in zip(rids, readies, strict=True)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in readies)), timeout=60)
+    go.set()
+    t0 = time.monotonic()
+    await asyncio.wait_for(asyncio.gather(*clients), timeout=seconds + 60)
+    elapsed = time.monotonic() - t0
+    await asyncio.to_thread(proc.join)
+    async with redis.pipeline(transaction=False) as pipe:
+        for rid in rids:
+            pipe.delete(keys.events(rid), keys.request(rid), keys.cancel(rid))
+        await pipe.execute()
+    return {"n": n, "events": len(delays), "rate": len(delays) / elapsed, "p50": pct(delays, 0.5),
+            "p90": pct(delays, 0.9), "p99": pct(delays, 0.99), "max": max(delays, default=float("nan"))}
+
+
+async def probe(redis: aioredis.Redis, port: int, count: int) -> list[float]:
+    """Idle path: single XADDs 10 ms apart, XADD wall time → bytes read from the API socket."""
+    (rid,) = await create_requests(redis, "probe", 1)
+    delays: list[float] = []
+    client = asyncio.create_task(sse_client(port, rid, delays, ready := asyncio.Event()))
+    await ready.wait()
+    for _ in range(count):
+        await asyncio.sleep(0.01)
+        stamp = time.time_ns()
+        await redis.xadd(keys.events(rid), encode_entry(TextDelta(text=str(stamp), token_ids=[1])))
+    await redis.xadd(keys.events(rid), encode_entry(Usage(input_tokens=1, output_tokens=count)))
+    await redis.xadd(keys.events(rid), encode_entry(Finish(reason="end_turn")))
+    await client
+    return delays
+
+
+async def main(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+    redis_proc = None
+    if args.redis_url:
+        redis_url = args.redis_url
+    else:
+        redis_proc, redis_url = start_redis(tmp)
+    port = free_port()
+    api = start_api(redis_url, port)
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        idle = await probe(redis, port, args.probe)
+        print(f"idle XADD → socket: median {statistics.median(idle):.2f} ms, "
+              f"p90 {pct(idle, 0.9):.2f} ms, p99 {pct(idle, 0.99):.2f} ms ({len(idle)} events)\n")
+        print("| streams | events/s | p50 ms | p90 ms | p99 ms | max ms | p99 < 50 ms |")
+        print("|---|---|---|---|---|---|---|")
+        for n in args.levels:
+            r = await run_level(redis, redis_url, port, n, args.seconds)
+            ok = r["p99"] < 50
+            print(f"| {n} | {r['rate']:.0f} | {r['p50']:.1f} | {r['p90']:.1f} | {r['p99']:.1f} "
+                  f"| {r['max']:.1f} | {'yes' if ok else 'no'} |", flush=True)
+            if not ok:
+                break
+    finally:
+        await redis.aclose()
+        api.send_signal(signal.SIGINT)
+        api.wait(timeout=10)
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
+    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[100, 250, 500, 1000, 1500, 2000])
+    parser.add_argument("--seconds", type=float, default=6.0, help="publishing time per level")
+    parser.add_argument("--probe", type=int, default=300, help="events in the idle latency probe")
+    asyncio.run(main(parser.parse_args()))
