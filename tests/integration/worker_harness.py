@@ -10,9 +10,10 @@ heartbeat, lease refresher, recovery sweeper) as tasks on the test's event loop:
     # leaving the block stops it cleanly (in-flight requests get a terminal event)
 
 ``model_spec`` is any ``--model`` value (``scripted:<scenario>[?rate=<tok/s>&max_batch=<n>]`` for
-the test double). ``settings_overrides`` are ``Settings`` fields; the harness defaults to a fast
-beat (``heartbeat_s=0.1``, ``lease_ttl_s=1.0``) so failover tests take about a second. The signature
-is relied on by the API and wire-format tests: extend it only with keyword arguments.
+the test double). ``settings_overrides`` are ``Settings`` fields over the harness defaults (a
+half-second beat and a 3 s lease, calm enough for a loaded CI box); failover tests pass
+``FAST_FAILOVER`` to be continued within about a second. The signature is relied on by the API
+and wire-format tests: extend it only with keyword arguments.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from services.worker.backend import Backend
 from services.worker.main import RunningWorker, load_backend, start_worker
 from shared.config import Settings
 
-__all__ = ["WorkerHandle", "running_worker"]
+__all__ = ["FAST_FAILOVER", "TEST_DEFAULTS", "WorkerHandle", "running_worker"]
 
-TEST_DEFAULTS: dict[str, object] = {"heartbeat_s": 0.1, "lease_ttl_s": 1.0, "poll_delay_s": 0.01}
+TEST_DEFAULTS: dict[str, object] = {"heartbeat_s": 0.5, "lease_ttl_s": 3.0, "poll_delay_s": 0.01}
+FAST_FAILOVER: dict[str, object] = {"heartbeat_s": 0.1, "lease_ttl_s": 1.0}
 
 
 @dataclass

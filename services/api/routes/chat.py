@@ -1,7 +1,12 @@
-"""``POST /v1/chat/completions``: parse, submit, then stream or collect. Nothing else.
+"""OpenAI Chat Completions routes: create, and (from the event log) retrieve and resume.
 
-Authentication already ran as the router's dependency (``authenticate`` caches the owner id on
-the request); parsing, projection and rendering live in ``services.api.wire.openai_chat*``.
+Thin: parse (``wire.openai_chat_request``), submit, then stream through the shared pipeline or
+render the fold of the same events (``wire.openai_chat``). Authentication already ran as the
+router's dependency. Because every answer is a durable event log, ``GET
+/v1/chat/completions/{id}`` returns a request's ``chat.completion`` (the openai SDK's
+``chat.completions.retrieve``; it waits if still generating) and ``GET
+/v1/chat/completions/{id}/events`` re-streams it as chunks, resuming after ``Last-Event-ID``.
+Both serve only the key that created the request.
 """
 
 from __future__ import annotations
@@ -9,13 +14,18 @@ from __future__ import annotations
 import msgspec
 from fastapi import APIRouter, Request, Response
 
-from services.api.app import get_state
+from services.api.app import AppState, get_state
 from services.api.auth import authenticate
+from services.api.hub import parse_id
 from services.api.streaming import collect, sse_response
-from services.api.submit import new_request_id, submit
+from services.api.submit import load_job, new_request_id, submit
 from services.api.wire.openai_chat import ChatContext, ChatProjector, error_from_event, render
 from services.api.wire.openai_chat_request import parse_chat_request
+from shared import keys
 from shared.accumulate import fold
+from shared.codec import decode_entry
+from shared.errors import InvalidRequest
+from shared.jobs import GenerateRequest
 
 __all__ = ["router"]
 
@@ -24,32 +34,67 @@ router = APIRouter()
 _TRUTHY = {"1", "true", "yes", "on"}
 
 
+def _context(state: AppState, job: GenerateRequest, *, include_usage: bool) -> ChatContext:
+    return ChatContext(
+        id=job.request_id,
+        created=int(job.created),
+        model=job.model,
+        include_usage=include_usage,
+        include_reasoning=job.reasoning.visible,
+        reasoning_field=state.settings.chat_reasoning_field,
+        logprobs=job.sampling.logprobs,
+    )
+
+
+async def _completion(state: AppState, request: Request, ctx: ChatContext) -> Response:
+    completion = fold(await collect(state, request, ctx.id))
+    if completion.error is not None:
+        raise error_from_event(completion.error)
+    body = msgspec.json.encode(render(completion, ctx))
+    return Response(body, media_type="application/json", headers={"x-request-id": ctx.id})
+
+
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    """Create a chat completion (OpenAI Chat Completions wire format)."""
+    """Create a chat completion, streamed (SSE chunks) or not."""
     state = get_state(request)
-    owner = await authenticate(request)
     parsed = parse_chat_request(
         await request.body(),
         request_id=new_request_id("chatcmpl"),
         include_reasoning_header=request.headers.get("x-include-reasoning", "").lower() in _TRUTHY,
     )
-    job = await submit(state, parsed.job, owner=owner)
-    options = parsed.options
-    ctx = ChatContext(
-        id=job.request_id,
-        created=int(job.created),
-        model=job.model,
-        include_usage=options.include_usage,
-        include_reasoning=options.include_reasoning,
-        reasoning_field=state.settings.chat_reasoning_field,
-        logprobs=options.logprobs,
-    )
+    job = await submit(state, parsed.job, owner=await authenticate(request))
+    ctx = _context(state, job, include_usage=parsed.options.include_usage)
+    if not parsed.options.stream:
+        return await _completion(state, request, ctx)
     headers = {"x-request-id": job.request_id}
-    if options.stream:
-        return sse_response(state, request, job.request_id, ChatProjector(ctx), headers=headers)
-    completion = fold(await collect(state, request, job.request_id))
-    if completion.error is not None:
-        raise error_from_event(completion.error)
-    body = msgspec.json.encode(render(completion, ctx))
-    return Response(body, media_type="application/json", headers=headers)
+    return sse_response(state, request, job.request_id, ChatProjector(ctx), headers=headers)
+
+
+@router.get("/v1/chat/completions/{rid}")
+async def retrieve_chat_completion(rid: str, request: Request) -> Response:
+    """The ``chat.completion`` of a stored request (waits for the end if still generating)."""
+    state = get_state(request)
+    job = await load_job(state, rid, await authenticate(request))
+    return await _completion(state, request, _context(state, job, include_usage=True))
+
+
+@router.get("/v1/chat/completions/{rid}/events")
+async def replay_chat_completion(rid: str, request: Request) -> Response:
+    """Re-stream a stored request as chunks, from the start or after ``Last-Event-ID``."""
+    state = get_state(request)
+    job = await load_job(state, rid, await authenticate(request))
+    usage = request.query_params.get("include_usage", "").lower() in _TRUTHY
+    after = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
+    try:
+        parse_id(after)
+    except ValueError as exc:
+        raise InvalidRequest(f"{after!r} is not a stream entry id", param="after") from exc
+    projector = ChatProjector(_context(state, job, include_usage=usage))
+    if after != "0-0":
+        # Re-feed what the client already has, discarding the frames, so the role and each tool
+        # call's id/name are not sent twice (the SDK would concatenate them).
+        for _, fields in await state.redis.xrange(keys.events(rid), "-", after):
+            projector.feed(decode_entry(fields))
+    headers = {"x-request-id": rid}
+    return sse_response(state, request, rid, projector, after=after, headers=headers)
