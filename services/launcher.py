@@ -19,6 +19,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ __all__ = [
     "curl_line",
     "find_redis_server",
     "pick_model",
+    "port_free",
     "redis_answers",
     "run_up",
     "start_private_redis",
@@ -88,6 +90,27 @@ def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
         return False
     finally:
         client.close()
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether the API could bind ``host:port`` now (checked up front for a clear message).
+
+    Args:
+        host: the bind address.
+        port: the TCP port.
+
+    Returns:
+        True if a listening socket could be bound there.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Same option uvicorn sets, so a port in TIME_WAIT counts as free, as it will for it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def find_redis_server(env: dict[str, str] | None = None) -> tuple[Path, bool] | None:
@@ -206,6 +229,13 @@ def run_up(settings: Settings) -> int:
     Returns:
         0 after a requested stop (SIGINT/SIGTERM), 1 if a child died or start-up failed.
     """
+    if not port_free(settings.host, settings.port):
+        print(
+            f"sluice up: {settings.host}:{settings.port} is already in use;"
+            " pass --port (or set SLUICE_PORT) to serve elsewhere",
+            file=sys.stderr,
+        )
+        return 1
     stop = _install_signal_handlers()
     private: PrivateRedis | None = None
     children: list[subprocess.Popen[bytes]] = []

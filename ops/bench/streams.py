@@ -35,17 +35,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
 from shared import keys
 from shared.codec import encode_entry, encode_job
-from shared.events import Finish, Start, TextDelta, Usage
+from shared.events import AnyEvent, Finish, Start, TextDelta, Usage
 from shared.jobs import GenerateRequest
 
 TICK_S = 0.05  # 20 tokens/s per stream
 _JSON = msgspec.json.Decoder()
+
+
+def _entry(event: AnyEvent) -> dict[Any, Any]:
+    """Stream entry fields (typed loosely: redis-py's xadd wants an invariant dict type)."""
+    return dict(encode_entry(event))
 
 
 def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -55,8 +61,21 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
         sys.exit("streams.py: no redis-server on PATH; pass --redis-url")
     sock = tmp / "redis.sock"
     proc = subprocess.Popen(
-        [binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
-         "--save", "", "--appendonly", "no", "--maxclients", "20000"],
+        [
+            binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--unixsocketperm",
+            "700",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxclients",
+            "20000",
+        ],
         stdout=subprocess.DEVNULL,
     )
     for _ in range(200):
@@ -68,8 +87,13 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 def start_api(redis_url: str, port: int) -> subprocess.Popen[bytes]:
     """``sluice api`` as its own process (uvicorn, uvloop/httptools when installed)."""
-    env = {**os.environ, "SLUICE_REDIS_URL": redis_url, "SLUICE_PORT": str(port),
-           "SLUICE_LOG_LEVEL": "warning", "SLUICE_KEEPALIVE_S": "15"}
+    env = {
+        **os.environ,
+        "SLUICE_REDIS_URL": redis_url,
+        "SLUICE_PORT": str(port),
+        "SLUICE_LOG_LEVEL": "warning",
+        "SLUICE_KEEPALIVE_S": "15",
+    }
     return subprocess.Popen([sys.executable, "-m", "services.cli", "api"], env=env)
 
 
@@ -85,8 +109,13 @@ async def create_requests(redis: aioredis.Redis, prefix: str, n: int) -> list[st
     async with redis.pipeline(transaction=False) as pipe:
         for rid in rids:
             job = GenerateRequest(request_id=rid, model="bench", created=time.time())
-            pipe.hset(keys.request(rid), mapping={"owner": "", "model": "bench", "job": encode_job(job)})
-            pipe.xadd(keys.events(rid), encode_entry(Start(request_id=rid, model="bench", prompt_tokens=1)))
+            pipe.hset(
+                keys.request(rid), mapping={"owner": "", "model": "bench", "job": encode_job(job)}
+            )
+            pipe.xadd(
+                keys.events(rid),
+                _entry(Start(request_id=rid, model="bench", prompt_tokens=1)),
+            )
         await pipe.execute()
     return rids
 
@@ -104,15 +133,18 @@ def publisher(redis_url: str, rids: list[str], seconds: float, go: object) -> No
             async with redis.pipeline(transaction=False) as pipe:
                 stamp = str(time.time_ns())
                 for rid in rids:
-                    pipe.xadd(keys.events(rid), encode_entry(TextDelta(text=stamp, token_ids=[1])))
+                    pipe.xadd(keys.events(rid), _entry(TextDelta(text=stamp, token_ids=[1])))
                 await pipe.execute()
             count += 1
             next_tick += TICK_S
             await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
         async with redis.pipeline(transaction=False) as pipe:
             for rid in rids:
-                pipe.xadd(keys.events(rid), encode_entry(Usage(input_tokens=1, output_tokens=count)))
-                pipe.xadd(keys.events(rid), encode_entry(Finish(reason="end_turn")))
+                pipe.xadd(
+                    keys.events(rid),
+                    _entry(Usage(input_tokens=1, output_tokens=count)),
+                )
+                pipe.xadd(keys.events(rid), _entry(Finish(reason="end_turn")))
             await pipe.execute()
         await redis.aclose()
 
@@ -169,7 +201,10 @@ async def run_level(
     proc = mp.Process(target=publisher, args=(redis_url, rids, seconds, go))
     proc.start()
     readies = [asyncio.Event() for _ in rids]
-    clients = [asyncio.create_task(sse_client(port, rid, delays, ev)) for rid, ev in zip(rids, readies, strict=True)]
+    clients = [
+        asyncio.create_task(sse_client(port, rid, delays, ev))
+        for rid, ev in zip(rids, readies, strict=True)
+    ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in readies)), timeout=60)
     go.set()
     t0, cpu0 = time.monotonic(), cpu_seconds(api_pid)
@@ -181,8 +216,16 @@ async def run_level(
         for rid in rids:
             pipe.delete(keys.events(rid), keys.request(rid), keys.cancel(rid))
         await pipe.execute()
-    return {"n": n, "cpu": cpu * 100, "events": len(delays), "rate": len(delays) / elapsed, "p50": pct(delays, 0.5),
-            "p90": pct(delays, 0.9), "p99": pct(delays, 0.99), "max": max(delays, default=float("nan"))}
+    return {
+        "n": n,
+        "cpu": cpu * 100,
+        "events": len(delays),
+        "rate": len(delays) / elapsed,
+        "p50": pct(delays, 0.5),
+        "p90": pct(delays, 0.9),
+        "p99": pct(delays, 0.99),
+        "max": max(delays, default=float("nan")),
+    }
 
 
 async def probe(redis: aioredis.Redis, port: int, count: int) -> list[float]:
@@ -194,9 +237,9 @@ async def probe(redis: aioredis.Redis, port: int, count: int) -> list[float]:
     for _ in range(count):
         await asyncio.sleep(0.01)
         stamp = time.time_ns()
-        await redis.xadd(keys.events(rid), encode_entry(TextDelta(text=str(stamp), token_ids=[1])))
-    await redis.xadd(keys.events(rid), encode_entry(Usage(input_tokens=1, output_tokens=count)))
-    await redis.xadd(keys.events(rid), encode_entry(Finish(reason="end_turn")))
+        await redis.xadd(keys.events(rid), _entry(TextDelta(text=str(stamp), token_ids=[1])))
+    await redis.xadd(keys.events(rid), _entry(Usage(input_tokens=1, output_tokens=count)))
+    await redis.xadd(keys.events(rid), _entry(Finish(reason="end_turn")))
     await client
     return delays
 
@@ -208,8 +251,9 @@ async def main(args: argparse.Namespace) -> None:
         redis_url = args.redis_url
     else:
         redis_proc, redis_url = start_redis(tmp)
-    port = free_port()
-    api = start_api(redis_url, port)
+    port = args.api_port or free_port()
+    api = start_api(redis_url, port) if not args.api_port else None
+    api_pid = api.pid if api is not None else args.api_pid
     redis = aioredis.Redis.from_url(redis_url)
     try:
         for _ in range(300):
@@ -219,21 +263,29 @@ async def main(args: argparse.Namespace) -> None:
             except OSError:
                 await asyncio.sleep(0.05)
         idle = await probe(redis, port, args.probe)
-        print(f"idle XADD → socket: median {statistics.median(idle):.2f} ms, "
-              f"p90 {pct(idle, 0.9):.2f} ms, p99 {pct(idle, 0.99):.2f} ms ({len(idle)} events)\n")
-        print("| streams | events/s | API CPU % | p50 ms | p90 ms | p99 ms | max ms | p99 < 50 ms |")
+        print(
+            f"idle XADD → socket: median {statistics.median(idle):.2f} ms, "
+            f"p90 {pct(idle, 0.9):.2f} ms, p99 {pct(idle, 0.99):.2f} ms ({len(idle)} events)\n"
+        )
+        print(
+            "| streams | events/s | API CPU % | p50 ms | p90 ms | p99 ms | max ms | p99 < 50 ms |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for n in args.levels:
-            r = await run_level(redis, redis_url, port, api.pid, n, args.seconds)
+            r = await run_level(redis, redis_url, port, api_pid, n, args.seconds)
             ok = r["p99"] < 50
-            print(f"| {n} | {r['rate']:.0f} | {r['cpu']:.0f} | {r['p50']:.1f} | {r['p90']:.1f} | {r['p99']:.1f} "
-                  f"| {r['max']:.1f} | {'yes' if ok else 'no'} |", flush=True)
+            print(
+                f"| {n} | {r['rate']:.0f} | {r['cpu']:.0f} | {r['p50']:.1f} | {r['p90']:.1f} "
+                f"| {r['p99']:.1f} | {r['max']:.1f} | {'yes' if ok else 'no'} |",
+                flush=True,
+            )
             if not ok and not args.keep_going:
                 break
     finally:
         await redis.aclose()
-        api.send_signal(signal.SIGTERM)
-        api.wait(timeout=10)
+        if api is not None:
+            api.send_signal(signal.SIGTERM)
+            api.wait(timeout=10)
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
@@ -241,11 +293,18 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
-    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[100, 250, 500, 1000, 1500, 2000])
+    parser.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[100, 250, 500, 1000, 1500, 2000],
+    )
     parser.add_argument("--seconds", type=float, default=6.0, help="publishing time per level")
+    parser.add_argument("--api-port", type=int, default=0, help="use a running API (with --redis-url)")
+    parser.add_argument("--api-pid", type=int, default=0, help="its pid, for the CPU column")
     parser.add_argument("--keep-going", action="store_true", help="run every level")
     parser.add_argument("--probe", type=int, default=300, help="events in the idle latency probe")
     asyncio.run(main(parser.parse_args()))

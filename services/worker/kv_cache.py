@@ -34,6 +34,7 @@ class AttentionBatch:
     slot_index: torch.Tensor  # (B,) long
     start_index: torch.Tensor  # (B,) long
     contiguous: bool  # slots are first..first+B-1: read a view instead of gathering
+    causal: bool  # nothing cached before: a plain causal mask (lets SDPA use fused kernels)
 
 
 def build_batch(
@@ -66,6 +67,7 @@ def build_batch(
         slot_index=torch.tensor(slots, dtype=torch.long, device=device),
         start_index=start_index,
         contiguous=contiguous,
+        causal=max(starts) == 0,
     )
 
 

@@ -20,7 +20,6 @@ import re
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import parse_qs
 
-import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
@@ -39,6 +38,7 @@ from shared.events import (
 )
 from shared.jobs import GenerateRequest
 from shared.model_card import ModelCard, ReasoningMarkers, ToolMarkers
+from shared.prompt import PromptRenderer
 
 __all__ = ["SCENARIOS", "ScriptedBackend", "ScriptedFailure", "build_tokenizer", "parse_spec"]
 
@@ -47,15 +47,15 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
     "{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
-    "{%- if message.content is string %}{{ message.content }}{% endif %}"
-    "{%- for tc in message.tool_calls or [] %}<tool_call>\n"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}{% endif %}"
+    "{% for tc in message.tool_calls or [] %}<tool_call>\n"
     '{"name": "{{ tc.function.name }}", "arguments": '
     "{{ tc.function.arguments if tc.function.arguments is string "
     "else tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 SCENARIOS = (
@@ -146,7 +146,7 @@ class ScriptedBackend:
             ),
             source=f"scripted:{scenario} (test double, no weights)",
         )
-        self._template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(CHAT_TEMPLATE)
+        self._renderer = PromptRenderer(self.card)
 
     def _id(self, token: str) -> int:
         found = self.tokenizer.token_to_id(token)
@@ -167,13 +167,10 @@ class ScriptedBackend:
         """Nothing to stop."""
 
     def prompt_tokens(self, job: GenerateRequest) -> int:
-        """Prompt length: the API's ids when present, else this card's template rendered here."""
+        """Prompt length: the API's ids when present, else the job rendered with this card."""
         if job.prompt_token_ids is not None:
             return len(job.prompt_token_ids)
-        messages = [{"role": m.role, "content": m.text} for m in job.messages]
-        tools = [{"name": t.name, "parameters": t.parameters} for t in job.tools] or None
-        text = self._template.render(messages=messages, tools=tools, add_generation_prompt=True)
-        return len(self.encode(text))
+        return len(self._renderer.render(job).token_ids)
 
     async def generate(
         self, job: GenerateRequest, resume_token_ids: list[int], attempt: int

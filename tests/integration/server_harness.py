@@ -11,9 +11,8 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import AsyncIterator
-
 import time
+from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 import uvicorn
@@ -89,7 +88,26 @@ def tiny_card(name: str = "tiny-test", context_length: int = 64) -> ModelCard:
         The card, as a worker would publish it.
     """
     words = ["<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>", "</s>"]
-    words += [w for w in "hello world hi there how are you a b c d e f g h".split()]
+    words += [
+        w
+        for w in [
+            "hello",
+            "world",
+            "hi",
+            "there",
+            "how",
+            "are",
+            "you",
+            "a",
+            "b",
+            "c",
+            "d",
+            "e",
+            "f",
+            "g",
+            "h",
+        ]
+    ]
     vocab = {w: i for i, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -106,13 +124,13 @@ def tiny_card(name: str = "tiny-test", context_length: int = 64) -> ModelCard:
 
 
 async def publish_card(redis: aioredis.Redis, card: ModelCard) -> None:
-    """Publish ``card`` where workers publish theirs (``sluice:model:{name}``, ``sluice:models``)."""
-    await redis.hset(keys.model_card(card.name), "card", encode_card(card))
-    await redis.sadd(keys.models(), card.name)
+    """Publish ``card`` where workers do (``sluice:model:{name}``, ``sluice:models``)."""
+    await redis.hset(keys.model_card(card.name), mapping={"card": encode_card(card)})  # type: ignore[misc]
+    await redis.sadd(keys.models(), card.name)  # type: ignore[misc]
 
 
 async def announce_worker(redis: aioredis.Redis, model: str, wid: str = "w-test") -> None:
     """Write one heartbeat for ``model`` the way a worker does (hash with TTL + index zset)."""
-    await redis.hset(keys.worker(wid), mapping={"model": model, "slots": 4, "active": 0})
+    await redis.hset(keys.worker(wid), mapping={"model": model, "slots": 4, "active": 0})  # type: ignore[misc]
     await redis.expire(keys.worker(wid), 30)
     await redis.zadd(keys.workers(), {wid: int(time.time() * 1000)})

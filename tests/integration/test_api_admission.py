@@ -6,6 +6,8 @@ nothing behind: no arq job, no request hash, nothing in flight.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import anthropic
 import httpx
 import openai
@@ -88,7 +90,9 @@ async def test_no_live_worker_is_503(api: str, redis: aioredis.Redis) -> None:
     await assert_nothing_enqueued(redis)
 
 
-async def test_full_queue_is_429(redis_url: str, redis: aioredis.Redis, tiny_model: ModelCard) -> None:
+async def test_full_queue_is_429(
+    redis_url: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
     settings = Settings(redis_url=redis_url, queue_max=2)
     async with running_api(settings) as api, httpx.AsyncClient(base_url=api) as client:
         accepted = [
@@ -103,9 +107,14 @@ async def test_full_queue_is_429(redis_url: str, redis: aioredis.Redis, tiny_mod
     assert await redis.zcard(keys.queue("tiny-test")) == 2
 
 
-async def test_body_too_large_is_413(redis_url: str, redis: aioredis.Redis, tiny_model: ModelCard) -> None:
+async def test_body_too_large_is_413(
+    redis_url: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
     settings = Settings(redis_url=redis_url, max_body_bytes=1000)
-    big = {"model": "tiny-test", "messages": [{"role": "user", "content": [{"type": "text", "text": "a " * 1000}]}]}
+    big = {
+        "model": "tiny-test",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a " * 1000}]}],
+    }
     async with running_api(settings) as api, httpx.AsyncClient(base_url=api) as client:
         response = await client.post("/v1/requests", json=big)
         anthropic_path = await client.post("/v1/messages", json=big)
@@ -133,10 +142,10 @@ async def test_unknown_routes_use_the_path_format(api: str) -> None:
 
 
 @pytest.fixture
-async def keyed_api(redis_url: str, redis: aioredis.Redis) -> str:
+async def keyed_api(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[str]:
     settings = Settings(redis_url=redis_url, api_keys=["key-a", "key-b"])
     async with running_api(settings) as base:
-        yield base  # type: ignore[misc]
+        yield base
 
 
 async def test_auth(keyed_api: str, redis: aioredis.Redis, tiny_model: ModelCard) -> None:
@@ -146,7 +155,9 @@ async def test_auth(keyed_api: str, redis: aioredis.Redis, tiny_model: ModelCard
         wrong = await client.post("/v1/requests", json=body, headers={"authorization": "Bearer x"})
         anth = await client.get("/v1/messages/x", headers={"x-api-key": "nope"})
         health = await client.get("/healthz")
-        bearer = await client.post("/v1/requests", json=body, headers={"authorization": "Bearer key-a"})
+        bearer = await client.post(
+            "/v1/requests", json=body, headers={"authorization": "Bearer key-a"}
+        )
         rid = bearer.json()["id"]
         own = await client.post(f"/v1/requests/{rid}/cancel", headers={"x-api-key": "key-a"})
         other = await client.get(f"/v1/requests/{rid}/events", headers={"x-api-key": "key-b"})
@@ -156,7 +167,7 @@ async def test_auth(keyed_api: str, redis: aioredis.Redis, tiny_model: ModelCard
     assert health.status_code == 200
     assert bearer.status_code == 200 and own.status_code == 200
     assert other.status_code == 403 and other.json()["error"]["type"] == "permission_error"
-    owner = await redis.hget(keys.request(rid), "owner")
+    owner = await redis.hget(keys.request(rid), "owner")  # type: ignore[misc]
     assert owner is not None and b"key-a" not in owner and len(owner) == 64
 
 
@@ -170,7 +181,9 @@ async def test_readyz(api: str, redis: aioredis.Redis) -> None:
     assert ready.status_code == 200 and ready.json()["models"] == {"tiny-test": 1}
 
 
-async def test_models_parsed_by_both_sdks(api: str, redis: aioredis.Redis, tiny_model: ModelCard) -> None:
+async def test_models_parsed_by_both_sdks(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
     await publish_card(redis, tiny_card("dormant"))  # published, but no live worker: not listed
 
     def list_both() -> tuple[list[openai.types.Model], list[anthropic.types.ModelInfo]]:

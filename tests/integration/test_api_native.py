@@ -39,7 +39,7 @@ def script(rid: str, n: int = 4) -> list[AnyEvent]:
 
 async def xadd(redis: aioredis.Redis, rid: str, event: AnyEvent) -> str:
     """Append one event exactly as the worker's publisher does; returns the entry id."""
-    entry_id = await redis.xadd(keys.events(rid), encode_entry(event))
+    entry_id: bytes = await redis.xadd(keys.events(rid), encode_entry(event))  # type: ignore[arg-type]
     return entry_id.decode()
 
 
@@ -70,7 +70,7 @@ async def test_submit_stores_and_enqueues(
 ) -> None:
     async with httpx.AsyncClient(base_url=api) as client:
         rid = await create(client)
-    stored = await redis.hgetall(keys.request(rid))
+    stored = await redis.hgetall(keys.request(rid))  # type: ignore[misc]
     assert stored[b"model"] == b"tiny-test" and stored[b"origin"] == b"native"
     job = decode_job(stored[b"job"])
     assert job.request_id == rid and job.prompt_token_ids  # rendered and tokenized by the API
@@ -239,7 +239,7 @@ async def test_many_concurrent_streams_share_one_reader(
         for step in range(len(script(rids[0]))):
             async with redis.pipeline(transaction=False) as pipe:
                 for rid in rids:
-                    pipe.xadd(keys.events(rid), encode_entry(script(rid)[step]))
+                    pipe.xadd(keys.events(rid), encode_entry(script(rid)[step]))  # type: ignore[arg-type]
                 await pipe.execute()
         results = await asyncio.gather(*readers)
     for rid, got in zip(rids, results, strict=True):

@@ -184,3 +184,27 @@ async def test_client_resumes_after_a_dropped_connection(
     # the drop was followed by a resume within the grace period: the answer was not cancelled
     assert isinstance(events[-1], Finish) and events[-1].reason == "end_turn"
     assert len({item.id for item in live}) == len(live)
+
+
+async def test_cli_export_and_replay(
+    api: str, redis_url: str, tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pathlib import Path
+
+    from shared.client import StreamEvent, cli_export, cli_replay
+    from shared.config import Settings
+
+    assert isinstance(tmp_path, Path)
+    async with running_worker(redis_url, "scripted:tool_call?rate=0") as worker:
+        source = LiveSource(api, job=job(worker.name, "tool_call"))
+        live = [item async for item in source.events()]
+    assert source.request_id is not None
+    settings = Settings(redis_url=redis_url)
+    out = tmp_path / "export.jsonl"
+    assert await asyncio.to_thread(cli_export, settings, source.request_id, str(out)) == 0
+    assert await asyncio.to_thread(cli_export, settings, "req_missing", str(out) + ".x") == 1
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli_replay, settings, str(out), False) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [msgspec.json.decode(line, type=StreamEvent) for line in printed] == live
+    check_stream([item.event for item in live])

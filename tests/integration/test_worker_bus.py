@@ -11,7 +11,8 @@ import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
 from services.worker.jobs import FUNCTION_NAME
-from services.worker.main import arq_deserialize, arq_serialize
+from services.worker.main import JOB_TIMEOUT_S, arq_deserialize, arq_serialize
+from services.worker.recovery import sweep_once
 from services.worker.scripted import ScriptedBackend
 from shared import keys
 from shared.codec import decode_entry, encode_job
@@ -89,7 +90,11 @@ async def test_job_streams_events_and_cleans_up(redis: aioredis.Redis, redis_url
         r: Any = redis  # redis-py's stubs mix sync and async return types for hashes and sets
         assert await r.hexists(keys.model_card(worker.name), "card")
         assert await r.sismember(keys.models(), worker.name)
-        assert await r.hget(keys.worker(worker.wid), "model") == worker.name.encode()
+        beat = await r.hgetall(keys.worker(worker.wid))
+        assert beat[b"model"] == worker.name.encode() and beat[b"slots"] == b"16"
+        assert {b"active", b"version", b"started"} <= set(beat)
+        assert 0 < await redis.pttl(keys.worker(worker.wid)) <= 3000 * worker.settings.heartbeat_s
+        assert await redis.zscore(keys.workers(), worker.wid) is not None
 
 
 async def test_duplicate_enqueue_is_a_no_op(redis: aioredis.Redis, redis_url: str) -> None:
@@ -245,3 +250,24 @@ async def test_clean_stop_hands_over_to_a_live_peer(redis: aioredis.Redis, redis
     check_stream(events)
     assert isinstance(events[-1], Finish) and events[-1].reason == "end_turn"
     assert generated_token_ids(events) == generated_token_ids(reference)
+
+
+async def test_sweeper_leaves_queued_and_live_requests_alone(
+    redis: aioredis.Redis, redis_url: str
+) -> None:
+    spec = "scripted:long?rate=50&max_batch=1"
+    async with running_worker(redis_url, spec, FAST_FAILOVER) as worker:
+        assert await submit(redis_url, make_job("req-busy", worker.name))
+        await read_stream(redis, "req-busy", until=2)
+        assert await submit(redis_url, make_job("req-queued", worker.name))  # no free slot
+        acted = await sweep_once(worker.running.wc, worker.running.arq, JOB_TIMEOUT_S)
+        assert acted == []
+        assert not await redis.exists(keys.lease("req-queued"))
+        assert await redis.zcard(keys.queue(worker.name)) == 2  # arq keeps running jobs there
+        for rid in ("req-busy", "req-queued"):
+            await redis.set(keys.cancel(rid), 1, ex=60)
+        busy = await read_stream(redis, "req-busy")
+        queued = await read_stream(redis, "req-queued")
+    check_stream(busy)
+    check_stream(queued)
+    assert isinstance(queued[0], Error) and queued[0].kind == "cancelled"

@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from services.launcher import (
     curl_line,
     find_redis_server,
     pick_model,
+    port_free,
     redis_answers,
     start_private_redis,
 )
@@ -150,3 +152,22 @@ def test_private_redis_that_cannot_start_is_an_error(tmp_path: Path) -> None:
 
 def test_redis_answers_is_false_where_nothing_listens() -> None:
     assert not redis_answers("redis://127.0.0.1:1/0", timeout_s=0.5)
+
+
+def test_port_free_sees_a_listening_socket() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert not port_free("127.0.0.1", port)
+    assert port_free("127.0.0.1", port)
+
+
+def test_up_refuses_a_busy_port_before_starting_anything() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = _sluice("up", "--port", str(taken.getsockname()[1]), "--model", "scripted:text")
+    assert out.returncode == 1
+    assert "already in use" in out.stderr
+    assert "started a private one" not in out.stderr

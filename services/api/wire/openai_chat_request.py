@@ -133,7 +133,6 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     include_usage: bool = False
     include_reasoning: bool = False
-    logprobs: bool = False
 
 
 class ParsedChat(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,7 +196,6 @@ def parse_chat_request(
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         include_reasoning=include_reasoning,
-        logprobs=bool(req.logprobs),
     )
     return ParsedChat(job=job, options=options)
 

@@ -73,7 +73,7 @@ def test_every_sampling_parameter_is_carried() -> None:
     assert job.user == "u-1" and job.metadata == {"script": "tool_call"}
     assert job.chat_template_kwargs == {"enable_thinking": False, "x": [1]}
     assert job.reasoning.explicit  # the client chose a thinking switch through the template
-    assert parsed.options.stream and parsed.options.include_usage and parsed.options.logprobs
+    assert parsed.options.stream and parsed.options.include_usage
 
 
 def test_top_k_zero_or_negative_means_disabled() -> None:

@@ -12,6 +12,7 @@ from shared.errors import InvalidRequest
 from shared.events import AnyEvent, Finish, Start, TextDelta, ToolCallEnd, Usage
 from shared.jobs import GenerateRequest, Message, TextPart, ToolDef
 from shared.model_card import decode_card, encode_card
+from shared.prompt import PromptRenderer
 from tests.invariants import check_stream, generated_token_ids
 
 
@@ -131,3 +132,12 @@ def test_card_is_a_labelled_test_double() -> None:
 def test_bad_specs_are_rejected(spec: str) -> None:
     with pytest.raises(ValueError, match=r"."):
         parse_spec(spec)
+
+
+def test_chat_template_is_chatml(backend: ScriptedBackend) -> None:
+    rendered = PromptRenderer(backend.card).render(job("text"))
+    assert rendered.text.endswith(
+        "<|im_start|>user\necho these words<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert list(rendered.token_ids) == backend.encode(rendered.text)
+    assert backend.prompt_tokens(job("text")) == len(rendered.token_ids)
