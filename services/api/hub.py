@@ -99,6 +99,25 @@ class Subscription:
         Raises:
             HubClosed: the hub stopped.
         """
+        batch = await self.get_batch(wait_s, limit=1)
+        return batch[0] if batch else None
+
+    async def get_batch(self, wait_s: float | None = None, limit: int = 64) -> list[Entry]:
+        """Wait for entries, then take every buffered one (up to ``limit``).
+
+        A consumer that fell behind catches up in one write instead of one per entry, so an
+        overloaded process sheds syscalls exactly when it needs to.
+
+        Args:
+            wait_s: seconds to wait; None waits forever.
+            limit: the most entries to return.
+
+        Returns:
+            At least one entry, or an empty list when ``wait_s`` passed without one.
+
+        Raises:
+            HubClosed: the hub stopped.
+        """
         while not self._buf:
             if self.closed:
                 raise HubClosed("stream hub stopped")
@@ -111,12 +130,13 @@ class Subscription:
                     await self._ready.wait()
             except TimeoutError:
                 if not self._buf and not self.closed:
-                    return None
-        item = self._buf.popleft()
-        if self.paused and len(self._buf) <= self._hub.low_water:
+                    return []
+        buf = self._buf
+        items = [buf.popleft() for _ in range(min(limit, len(buf)))]
+        if self.paused and len(buf) <= self._hub.low_water:
             self.paused = False
             await self._hub.wake()
-        return item
+        return items
 
 
 class StreamHub:

@@ -28,6 +28,7 @@ from services.api import sse
 from services.api.submit import cancel
 from shared import keys
 from shared.codec import decode_entry
+from shared.errors import ProtocolError
 from shared.events import AnyEvent, Error, is_terminal
 
 if TYPE_CHECKING:
@@ -55,21 +56,26 @@ class Projector(Protocol):
         ...
 
 
-async def _next(
+async def _batches(
     state: AppState, rid: str, after: str
-) -> AsyncGenerator[tuple[str, AnyEvent] | None, None]:
-    """Entries of the request's stream after ``after``; None each ``keepalive_s`` of silence."""
+) -> AsyncGenerator[list[tuple[str, AnyEvent]], None]:
+    """Entries after ``after`` in the batches they are available in; ``[]`` on each silence
+    of ``keepalive_s``. Stops after the terminal event."""
     async with state.hub.subscription(keys.events(rid), after) as sub:
         while True:
-            entry = await sub.get(state.settings.keepalive_s)
-            if entry is None:
-                yield None
-                continue
-            entry_id, fields = entry
-            event = decode_entry(fields)
-            yield entry_id, event
-            if is_terminal(event):
-                return
+            batch: list[tuple[str, AnyEvent]] = []
+            for entry_id, fields in await sub.get_batch(state.settings.keepalive_s):
+                try:
+                    event = decode_entry(fields)
+                except ProtocolError:
+                    if batch:  # deliver what decoded before failing
+                        yield batch
+                    raise
+                batch.append((entry_id, event))
+                if is_terminal(event):
+                    yield batch
+                    return
+            yield batch
 
 
 async def tail(
@@ -88,9 +94,9 @@ async def tail(
     Raises:
         ProtocolError: an entry does not decode.
     """
-    async with contextlib.aclosing(_next(state, rid, after)) as items:
-        async for item in items:
-            if item is not None:
+    async with contextlib.aclosing(_batches(state, rid, after)) as batches:
+        async for batch in batches:
+            for item in batch:
                 yield item
 
 
@@ -132,18 +138,19 @@ async def _frames(
     ping = sse.encode(keepalive) if keepalive is not None else sse.comment()
     finished = False
     try:
-        async with contextlib.aclosing(_next(state, rid, after)) as items:
-            async for item in items:
-                if item is None:
+        async with contextlib.aclosing(_batches(state, rid, after)) as batches:
+            async for batch in batches:
+                if not batch:
                     yield ping
                     continue
-                entry_id, event = item
-                out = b"".join(sse.encode(f) for f in _with_id(projector.feed(event), entry_id))
-                if is_terminal(event):
-                    finished = True
-                    out += b"".join(sse.encode(f) for f in projector.close())
+                out: list[bytes] = []
+                for entry_id, event in batch:
+                    out.extend(sse.encode(f) for f in _with_id(projector.feed(event), entry_id))
+                    if is_terminal(event):
+                        finished = True
+                        out.extend(sse.encode(f) for f in projector.close())
                 if out:
-                    yield out
+                    yield b"".join(out)
     except Exception as exc:  # boundary: after the headers, errors travel in-band only
         logger.exception("stream of %s failed", rid)
         finished = True

@@ -245,3 +245,20 @@ async def test_many_concurrent_streams_share_one_reader(
     for rid, got in zip(rids, results, strict=True):
         assert got == script(rid)
         check_stream(got)
+
+
+async def test_undecodable_entry_ends_stream_in_band(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        rid = await create(client)
+        await xadd(redis, rid, script(rid)[0])
+        await redis.xadd(keys.events(rid), {b"v": b"1", b"e": b"\xc1garbage"})
+        response = await client.get(f"/v1/requests/{rid}/events")
+    assert response.status_code == 200  # headers were sent: the failure travels in-band
+    frames = [f async for f in sse_events(response) if "comment" not in f]
+    events = [decode_event(msgspec.msgpack.encode(msgspec.json.decode(f["data"]))) for f in frames]
+    assert [f["event"] for f in frames] == ["start", "error"]
+    assert isinstance(events[-1], Error) and events[-1].kind == "internal"
+    check_stream(events)
+    assert await wait_for_key(redis, keys.cancel(rid))  # nobody can read the rest: stop it

