@@ -89,7 +89,9 @@ async def bench(args: argparse.Namespace) -> None:
     if args.random_shape:
         model = random_smollm2_shape(Path(tempfile.mkdtemp()) / "random-smollm2")
     b = load_backend(
-        Settings(threads=args.threads, max_batch=max(args.batches), device=args.device),
+        Settings(
+            threads=args.threads, max_batch=max(args.batches), device=args.device, dtype=args.dtype
+        ),
         model,
         None,
     )
@@ -146,6 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int4")
     parser.add_argument(
         "--random-shape",
         action="store_true",

@@ -174,6 +174,7 @@ class StreamHub:
         self._version = 0  # bumped whenever the set of keys/cursors to read changes
         self._inflight_version = -1  # the version the pending XREAD was built from
         self._woken_version = -1
+        self._stopping = False
         self.xread_calls = 0
 
     @property
@@ -185,24 +186,47 @@ class StreamHub:
         """Whether any subscription to ``key`` is open in this process."""
         return key in self._subs
 
-    async def start(self) -> None:
-        """Open the blocking connection and start the reader task."""
+    def _connect(self) -> aioredis.Redis:
         # socket_timeout must exceed the block time or redis-py raises TimeoutError while the
         # server is legitimately blocking (redis/redis-py#3138).
-        self._conn = aioredis.Redis.from_url(
+        conn: aioredis.Redis = aioredis.Redis.from_url(
             self.redis_url,
             single_connection_client=True,
             socket_timeout=self.block_ms / 1000 + 10,
             socket_connect_timeout=5,
+            client_name="sluice-hub",
         )
+        return conn
+
+    async def _reconnect(self) -> None:
+        # A connection that failed in an unexpected way may be mid-reply: never reuse it.
+        old, self._conn = self._conn, self._connect()
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.aclose()
+
+    async def start(self) -> None:
+        """Open the blocking connection and start the reader task."""
+        self._conn = self._connect()
         self._task = asyncio.create_task(self._run(), name="sluice-stream-hub")
 
     async def stop(self) -> None:
         """Stop the reader, close the connection and wake every subscriber with ``HubClosed``."""
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Cancelling a blocked read is not reliable in redis-py 5 (the cancellation can be
+            # absorbed while the single connection waits out its socket timeout), so the reader
+            # is asked to leave through its own wake stream first and only then cancelled.
+            with contextlib.suppress(Exception):
+                await self._xadd_wake()
+            done, _ = await asyncio.wait({self._task}, timeout=2)
+            if not done:
+                self._task.cancel()
+                if self._conn is not None:
+                    await self._conn.aclose()
+                await asyncio.wait({self._task}, timeout=2)
+            if self._task.done() and not self._task.cancelled():
+                self._task.exception()  # retrieved: a failure while stopping is not news
             self._task = None
         for subs in self._subs.values():
             for sub in subs:
@@ -257,6 +281,9 @@ class StreamHub:
         if self._inflight_version < 0 or self._woken_version == self._inflight_version:
             return  # no XREAD pending, or it is already being woken
         self._woken_version = self._inflight_version
+        await self._xadd_wake()
+
+    async def _xadd_wake(self) -> None:
         async with self._commands.pipeline(transaction=False) as pipe:
             pipe.xadd(self.wake_key, {b"w": b"1"}, maxlen=16, approximate=True)
             pipe.expire(self.wake_key, 3_600)
@@ -292,12 +319,16 @@ class StreamHub:
                     if not sub.paused and sub.cursor_id < parsed:
                         sub._push(entry_id, parsed, fields)
 
+    def _stopped(self) -> bool:
+        # a method, not the attribute, so the type checker does not narrow it inside the loop
+        return self._stopping
+
     async def _run(self) -> None:
-        assert self._conn is not None
         backoff = 0.05
-        while True:
+        while not self._stopping:
             streams = self._streams()
             self._inflight_version = self._version
+            assert self._conn is not None
             try:
                 response = await self._conn.xread(
                     streams,  # type: ignore[arg-type]  # redis-py's dict type is invariant
@@ -307,7 +338,18 @@ class StreamHub:
             except (RedisConnectionError, RedisTimeout, OSError) as exc:
                 # The cursors are explicit, so retrying later loses and repeats nothing.
                 self._inflight_version = -1
+                if self._stopped():
+                    return
                 logger.warning("stream hub read failed (%s); retrying in %.2fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            except Exception:  # boundary: if this task died, every stream would hang silently
+                self._inflight_version = -1
+                if self._stopped():
+                    return
+                logger.exception("stream hub reader failed; reconnecting in %.2fs", backoff)
+                await self._reconnect()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue

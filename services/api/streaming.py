@@ -4,9 +4,10 @@
 until the terminal event. ``sse_response`` feeds those events to a wire format's projector and
 encodes its frames with ``sse.encode``; the Redis entry id rides on the last frame of each event
 as the SSE ``id:``, so ``Last-Event-ID`` resumes exactly after it. While nothing arrives it sends
-keepalives; when the client goes away it raises the cancel flag (after a short grace in
-case it reconnects); and nothing raises past the SSE
-boundary once headers are out: a failure becomes the projector's own in-band error frame.
+keepalives; when the client goes away it raises the cancel flag (after a short grace, in case it
+reconnects); and nothing raises past the SSE boundary once headers are out: a failure becomes
+the projector's own in-band error frame. Entries that piled up for a slow client leave in one
+write (``get_batch``), so an overloaded process spends fewer syscalls exactly when it must.
 ``collect`` is the non-streaming twin (events until terminal, cancel on disconnect).
 """
 

@@ -26,7 +26,8 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="module")
 def backend_loaded() -> TorchBackend:
-    return load_backend(Settings(device="cpu", max_batch=4), "smollm2", None)
+    """fp32 weights: batch-invariant numerics, the reference for the int4 default."""
+    return load_backend(Settings(device="cpu", dtype="float32", max_batch=4), "smollm2", None)
 
 
 @pytest.fixture
@@ -34,6 +35,13 @@ async def backend(backend_loaded: TorchBackend) -> AsyncIterator[TorchBackend]:
     await backend_loaded.start()
     yield backend_loaded
     await backend_loaded.stop()
+
+
+REFERENCE_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+]
 
 
 def ask(text: str, rid: str = "r1", **kw: object) -> GenerateRequest:
@@ -90,3 +98,18 @@ async def test_batched_greedy_equals_single_stream(backend: TorchBackend) -> Non
     backend.scheduler.cache.tokens = [[] for _ in range(backend.max_batch)]
     together = await asyncio.gather(*(run(backend, j) for j in jobs))
     assert [generated_token_ids(e) for e in together] == alone
+
+
+async def test_int4_default_gives_the_fp32_greedy_answers(backend: TorchBackend) -> None:
+    """CPU ``dtype=auto`` decodes the Q4_1 GGUF with int4 kernels; answers must not change."""
+    int4 = load_backend(Settings(device="cpu", max_batch=4), "smollm2", None)
+    assert type(int4.loaded.model.layers[0].mlp.gate_up).__name__ == "Int4Linear"
+    await int4.start()
+    try:
+        for i, prompt in enumerate(REFERENCE_PROMPTS):
+            job = ask(prompt, f"q{i}", max_tokens=40)
+            want = generated_token_ids(await run(backend, job))
+            got = generated_token_ids(await run(int4, job))
+            assert got == want, prompt
+    finally:
+        await int4.stop()

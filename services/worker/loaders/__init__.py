@@ -74,12 +74,24 @@ def default_model_path() -> Path:
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """Pick the device and dtype: CUDA with bf16 when present, CPU with fp32 otherwise."""
+    """Pick the device and dtype: CUDA with bf16 when present, CPU with fp32 otherwise.
+
+    ``int4`` (CPU only) keeps fp32 here; ``load_model`` then swaps the block linears for int4.
+    """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"unknown device {device!r} (auto, cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device cuda requested but CUDA is not available")
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dtype == "int4":  # weight-only int4 linears; everything else stays fp32
+        if dev.type != "cpu":
+            raise ModelLoadError("dtype int4 is a CPU weight-only format; use bfloat16 on CUDA")
+        return dev, torch.float32
     try:
         return dev, {
             "float32": torch.float32,
@@ -139,7 +151,7 @@ def load_model(
         spec: what to load.
         name: public model id; defaults to ``smollm2``, the file stem or the directory name.
         device: ``auto``, ``cpu`` or ``cuda``.
-        dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+        dtype: ``auto``, ``float32``, ``bfloat16``, ``float16`` or ``int4`` (CPU weight-only).
 
     Returns:
         The loaded model, tokenizer and card.
@@ -159,14 +171,20 @@ def load_model(
         public = name or (path.stem if path.suffix == ".gguf" else path.name)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    four_bit = False
     if path.is_dir():
         model, tokenizer, card = load_hf_dir(path, public)
     elif path.suffix == ".gguf":
-        model, tokenizer, card = load_gguf(path, public)
+        model, tokenizer, card, four_bit = load_gguf(path, public)
     else:
         raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a model directory")
     model = model.to(device=dev, dtype=dt).eval()
     model.requires_grad_(False)
+    # auto on CPU: a 4-bit GGUF decodes from int4 kernels (its blocks are that format already).
+    if dtype == "int4" or (dtype == "auto" and dev.type == "cpu" and four_bit):
+        from services.worker.models.quant import quantize_linears
+
+        quantize_linears(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -22,7 +22,14 @@ from services.worker.models import MODELS
 from services.worker.models.llama import LlamaModel, WeightError
 from shared.model_card import ModelCard
 
-__all__ = ["SUPPORTED_TYPES", "dequantize_fast", "load_gguf", "read_metadata", "unpermute_qk"]
+__all__ = [
+    "SUPPORTED_TYPES",
+    "dequantize_fast",
+    "is_four_bit",
+    "load_gguf",
+    "read_metadata",
+    "unpermute_qk",
+]
 
 SUPPORTED_TYPES = frozenset(
     {
@@ -59,13 +66,10 @@ _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's interleaved-RoPE row order of a q or k projection (per head)."""
-    return (
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> torch.Tensor:
@@ -183,8 +187,15 @@ def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
         raise ModelLoadError(str(exc)) from exc
 
 
-def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard]:
-    """Load a GGUF file into an fp32 CPU model, its tokenizer and its card.
+def is_four_bit(reader: GGUFReader) -> bool:
+    """True when most 2-D weights are Q4_0/Q4_1: int4 CPU kernels then lose (almost) nothing."""
+    matrices = [t for t in reader.tensors if len(t.shape) == 2]
+    four = sum(QType(t.tensor_type) in (QType.Q4_0, QType.Q4_1) for t in matrices)
+    return four * 2 > len(matrices)
+
+
+def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard, bool]:
+    """Load a GGUF file into an fp32 CPU model, its tokenizer, its card, and ``is_four_bit``.
 
     Raises:
         ModelLoadError: unreadable file, unknown architecture or tensor, unsupported quant type,
@@ -235,4 +246,4 @@ def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard]:
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         source=str(path),
     )
-    return model, tokenizer, card
+    return model, tokenizer, card, is_four_bit(reader)

@@ -240,3 +240,14 @@ def test_not_a_model(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match=r"missing config\.json"):
         load_model(str(tmp_path / "empty"))
+
+
+def test_bad_device_and_dtype(tmp_path: Path) -> None:
+    write_hf_model(tmp_path / "m")
+    with pytest.raises(ModelLoadError, match="unknown dtype 'float8'"):
+        load_model(str(tmp_path / "m"), device="cpu", dtype="float8")
+    with pytest.raises(ModelLoadError, match="unknown device 'tpu'"):
+        load_model(str(tmp_path / "m"), device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="CUDA is not available"):
+            load_model(str(tmp_path / "m"), device="cuda")

@@ -1,0 +1,71 @@
+"""Weight-only int4 linears (CPU): exact on a 4-bit grid, and a 4-bit GGUF picks them by default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as Q
+from torch import nn
+
+from services.worker.kv_cache import KVCache, build_batch
+from services.worker.loaders import load_model
+from services.worker.models.quant import Int4Linear, quantize_linears
+from tests.worker_models import random_model, tiny_tokenizer, write_gguf
+
+torch.set_num_threads(1)
+
+
+def test_int4_linear_is_exact_on_a_four_bit_grid() -> None:
+    gen = torch.Generator().manual_seed(0)
+    n, k = 48, 64
+    # Q4_1-style weights: per 32 inputs w = d * q + m with q spanning 0..15.
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0.0, 15.0
+    d = torch.rand(n, k // 32, 1, generator=gen) * 0.1 + 0.01
+    m = torch.randn(n, k // 32, 1, generator=gen) * 0.1
+    dense = nn.Linear(k, n, bias=True)
+    with torch.no_grad():
+        dense.weight.copy_((d * q + m).view(n, k))
+    x = torch.randn(3, 5, k, generator=gen)
+    got = Int4Linear(dense)(x)
+    # The kernel's only rounding is bf16 activations (and bf16 scales); compare at that precision.
+    want = nn.functional.linear(x.bfloat16().float(), dense.weight, dense.bias)
+    assert got.shape == (3, 5, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def test_quantize_linears_replaces_block_projections_only() -> None:
+    model = random_model("Qwen2ForCausalLM", tiny_tokenizer().get_vocab_size())
+    replaced = quantize_linears(model)
+    assert replaced == 2 * 4  # qkv, o_proj, gate_up, down_proj per block
+    assert isinstance(model.lm_head, nn.Linear)
+    assert isinstance(model.layers[0].self_attn.qkv, Int4Linear)
+
+
+def test_four_bit_gguf_uses_int4_on_cpu_by_default(tmp_path: Path) -> None:
+    tk = tiny_tokenizer()
+    model = random_model("LlamaForCausalLM", tk.get_vocab_size(), seed=9)
+    write_gguf(tmp_path / "q4.gguf", model, tk, qtype=Q.Q4_1)
+    auto = load_model(str(tmp_path / "q4.gguf"), device="cpu")
+    dense = load_model(str(tmp_path / "q4.gguf"), device="cpu", dtype="float32")
+    assert isinstance(auto.model.layers[0].mlp.gate_up, Int4Linear)
+    assert isinstance(dense.model.layers[0].mlp.gate_up, nn.Linear)
+    ids = tk.encode("The capital of France is Paris.").ids
+    logits = []
+    for lm in (auto, dense):
+        c = lm.model.config
+        cache = KVCache(
+            layers=c.num_layers,
+            slots=1,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            max_len=c.context_length,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        with torch.inference_mode():
+            batch = build_batch([0], [0], len(ids), torch.device("cpu"))
+            logits.append(lm.model(torch.tensor([ids]), batch, cache, n_logits=len(ids))[0])
+    scale = logits[1].abs().max().item()
+    assert (logits[0] - logits[1]).abs().max().item() < 0.05 * scale
