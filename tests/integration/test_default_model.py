@@ -45,11 +45,11 @@ REFERENCE_PROMPTS = [
 
 
 def ask(text: str, rid: str = "r1", **kw: object) -> GenerateRequest:
+    kw.setdefault("sampling", SamplingParams(temperature=0.0))
     return GenerateRequest(
         request_id=rid,
         model="smollm2",
         messages=[Message(role="user", content=[TextPart(text=text)])],
-        sampling=SamplingParams(temperature=0.0),
         **kw,  # type: ignore[arg-type]
     )
 
@@ -101,15 +101,31 @@ async def test_batched_greedy_equals_single_stream(backend: TorchBackend) -> Non
 
 
 async def test_int4_default_gives_the_fp32_greedy_answers(backend: TorchBackend) -> None:
-    """CPU ``dtype=auto`` decodes the Q4_1 GGUF with int4 kernels; answers must not change."""
+    """CPU ``dtype=auto`` decodes the Q4_1 GGUF with int4 blocks and an int8 lm_head.
+
+    Greedy output must equal fp32's, or first differ at a near-tie: a token fp32 ranked within
+    0.1 nats of its own choice (the issue's acceptance rule for quantized decoding).
+    """
     int4 = load_backend(Settings(device="cpu", max_batch=4), "smollm2", None)
     assert type(int4.loaded.model.layers[0].mlp.gate_up).__name__ == "Int4Linear"
     await int4.start()
     try:
         for i, prompt in enumerate(REFERENCE_PROMPTS):
-            job = ask(prompt, f"q{i}", max_tokens=40)
-            want = generated_token_ids(await run(backend, job))
-            got = generated_token_ids(await run(int4, job))
-            assert got == want, prompt
+            sampling = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)
+            ref = await run(backend, ask(prompt, f"f{i}", max_tokens=40, sampling=sampling))
+            want = generated_token_ids(ref)
+            got = generated_token_ids(await run(int4, ask(prompt, f"q{i}", max_tokens=40)))
+            diff = next(
+                (n for n, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None
+            )
+            if diff is None:
+                assert len(got) == len(want), prompt
+                continue
+            logprobs = [lp for e in ref if isinstance(e, TextDelta) for lp in e.logprobs or []]
+            chosen = logprobs[diff]
+            tok = int4.loaded.tokenizer.decode([got[diff]])
+            rival = next((t.logprob for t in chosen.top if t.token == tok), None)
+            assert rival is not None, f"{prompt!r}: int4 token {tok!r} not in fp32's top 5"
+            assert chosen.logprob - rival < 0.1, f"{prompt!r}: not a near-tie at token {diff}"
     finally:
         await int4.stop()

@@ -10,7 +10,7 @@ from torch import nn
 
 from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import load_model
-from services.worker.models.quant import Int4Linear, quantize_linears
+from services.worker.models.quant import Int4Linear, Int8Linear, quantize_linears
 from tests.worker_models import random_model, tiny_tokenizer, write_gguf
 
 torch.set_num_threads(1)
@@ -35,12 +35,24 @@ def test_int4_linear_is_exact_on_a_four_bit_grid() -> None:
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
 
 
-def test_quantize_linears_replaces_block_projections_only() -> None:
+def test_quantize_linears_replaces_block_projections_and_head() -> None:
     model = random_model("Qwen2ForCausalLM", tiny_tokenizer().get_vocab_size())
+    embedding = model.embed_tokens.weight.clone()
     replaced = quantize_linears(model)
-    assert replaced == 2 * 4  # qkv, o_proj, gate_up, down_proj per block
-    assert isinstance(model.lm_head, nn.Linear)
+    assert replaced == 2 * 4 + 1  # qkv, o_proj, gate_up, down_proj per block, and the lm_head
+    assert isinstance(model.lm_head, Int8Linear)
     assert isinstance(model.layers[0].self_attn.qkv, Int4Linear)
+    assert torch.equal(model.embed_tokens.weight, embedding)  # embedding lookups stay exact
+
+
+def test_int8_head_is_close_to_dense() -> None:
+    gen = torch.Generator().manual_seed(1)
+    dense = nn.Linear(64, 300, bias=False)
+    x = torch.randn(2, 3, 64, generator=gen)
+    got = Int8Linear(dense)(x)
+    want = dense(x)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
 
 
 def test_four_bit_gguf_uses_int4_on_cpu_by_default(tmp_path: Path) -> None:
