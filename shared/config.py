@@ -44,6 +44,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "auto"  # SLUICE_DTYPE: auto | float32 | bfloat16 | float16
     threads: int = 0  # SLUICE_THREADS: torch CPU threads (0 = torch default)
     log_level: str = "info"  # SLUICE_LOG_LEVEL
+    # SLUICE_MAX_CACHED_TOKENS: a worker admits a sequence only while the tokens reserved by
+    # its running sequences (prompt + max_tokens each) fit; 0 = as many as a 2 GiB KV budget
+    # holds for the model, at least one full context, at most max_batch full contexts.
+    max_cached_tokens: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:

@@ -53,22 +53,30 @@ def _field(name: bytes, value: bytes) -> bytes:
     return b"".join(name + b": " + line + b"\n" for line in lines)
 
 
-def encode(frame: Frame) -> bytes:
+def encode(frame: Frame, entry_id: str | None = None) -> bytes:
     """Encode one frame as the bytes of an SSE event, ending with the blank line.
 
     Args:
         frame: the frame to encode.
+        entry_id: an ``id:`` that replaces the frame's own (the streaming pipeline stamps the
+            Redis entry id on an event's last frame this way, without copying the frame).
 
     Returns:
         ``event:`` (if any), ``id:`` (if any) and ``data:`` lines followed by ``\\n``.
     """
     data = frame.data.encode() if isinstance(frame.data, str) else frame.data
-    out = b""
+    event_id = frame.id if entry_id is None else entry_id
+    body = _field(b"data", data)
+    if frame.event is None and event_id is None:
+        return body + b"\n"
+    parts = []
     if frame.event is not None:
-        out += _field(b"event", frame.event.encode())
-    if frame.id is not None:
-        out += _field(b"id", frame.id.encode())
-    return out + _field(b"data", data) + b"\n"
+        parts.append(_field(b"event", frame.event.encode()))
+    if event_id is not None:
+        parts.append(_field(b"id", event_id.encode()))
+    parts.append(body)
+    parts.append(b"\n")
+    return b"".join(parts)
 
 
 def comment(text: str = "keepalive") -> bytes:

@@ -20,12 +20,12 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from services.api import sse
+from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.submit import cancel
 from shared import keys
 from shared.codec import decode_entry
@@ -62,10 +62,29 @@ async def _batches(
 ) -> AsyncGenerator[list[tuple[str, AnyEvent]], None]:
     """Entries after ``after`` in the batches they are available in; ``[]`` on each silence
     of ``keepalive_s``. Stops after the terminal event."""
+    keepalive_s = state.settings.keepalive_s
+    # Until the first entry arrives the wait is also bounded by the start deadline; a client
+    # resuming after an entry id saw the request start already.
+    deadline = None if after != "0-0" else await start_deadline(state.redis, rid, state.settings)
     async with state.hub.subscription(keys.events(rid), after) as sub:
+        quiet_since = time.monotonic()
         while True:
+            wait_s = keepalive_s - (time.monotonic() - quiet_since)
+            if deadline is not None:
+                if deadline <= time.monotonic():
+                    # Past the deadline: end it unless a worker got there first (then look
+                    # again a keepalive later, in case that worker dies before its Start).
+                    await claim_unstarted(state.redis, rid, state.settings)
+                    deadline = time.monotonic() + keepalive_s
+                wait_s = min(wait_s, deadline - time.monotonic())
+            entries = await sub.get_batch(max(wait_s, 0.0))
+            if entries:
+                deadline = None
+            elif time.monotonic() - quiet_since < keepalive_s:
+                continue  # woken by the start deadline, not by a silence: no keepalive yet
+            quiet_since = time.monotonic()
             batch: list[tuple[str, AnyEvent]] = []
-            for entry_id, fields in await sub.get_batch(state.settings.keepalive_s):
+            for entry_id, fields in entries:
                 try:
                     event = decode_entry(fields)
                 except ProtocolError:
@@ -122,12 +141,6 @@ async def _cancel_unless_resumed(state: AppState, rid: str) -> None:
         await _cancel_quietly(state, rid)
 
 
-def _with_id(frames: list[sse.Frame], entry_id: str) -> list[sse.Frame]:
-    if frames:
-        frames[-1] = msgspec.structs.replace(frames[-1], id=entry_id)
-    return frames
-
-
 async def _frames(
     state: AppState,
     rid: str,
@@ -146,7 +159,11 @@ async def _frames(
                     continue
                 out: list[bytes] = []
                 for entry_id, event in batch:
-                    out.extend(sse.encode(f) for f in _with_id(projector.feed(event), entry_id))
+                    frames = projector.feed(event)
+                    if frames:  # the entry id rides on the event's last frame
+                        last = len(frames) - 1
+                        out.extend(sse.encode(f) for f in frames[:last])
+                        out.append(sse.encode(frames[last], entry_id))
                     if is_terminal(event):
                         finished = True
                         out.extend(sse.encode(f) for f in projector.close())

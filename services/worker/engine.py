@@ -5,6 +5,11 @@ Owns ``load_backend`` (settings + model spec -> a ready backend) and ``TorchBack
 ``Sequence`` to the ``Scheduler`` thread and relays its event batches from an asyncio queue.
 Closing the iterator early cancels: the slot is freed before ``aclose`` returns. Knows nothing
 about Redis.
+
+It also sizes the cached-token budget (``Settings.max_cached_tokens``; 0 derives it from
+``KV_BUDGET_BYTES`` and the model's bytes of keys and values per token) and rejects, with
+``ContextOverflow``, a request whose prompt plus ``max_tokens`` could never fit in it. A request
+without ``max_tokens`` may generate up to the context or the budget, whichever is smaller.
 """
 
 from __future__ import annotations
@@ -23,7 +28,27 @@ from shared.events import AnyEvent, Finish, is_terminal
 from shared.jobs import GenerateRequest
 from shared.model_card import ModelCard
 
-__all__ = ["TorchBackend", "load_backend", "sampling_config"]
+__all__ = [
+    "KV_BUDGET_BYTES",
+    "TorchBackend",
+    "derive_max_cached_tokens",
+    "load_backend",
+    "sampling_config",
+]
+
+KV_BUDGET_BYTES = 2 * 1024**3  # default memory for cached keys and values, per worker
+
+
+def derive_max_cached_tokens(
+    *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, context: int, slots: int
+) -> int:
+    """The default budget: what ``KV_BUDGET_BYTES`` holds, within [one context, all slots full].
+
+    One token costs ``layers x 2 (keys, values) x kv_heads x head_dim x element size`` bytes
+    (46 080 for SmolLM2-135M in fp32, so the budget is 46 603 tokens: five full 8k contexts).
+    """
+    per_token = layers * 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return max(context, min(slots * context, KV_BUDGET_BYTES // per_token))
 
 
 def sampling_config(job: GenerateRequest, card: ModelCard) -> SamplingConfig:
@@ -53,8 +78,12 @@ class TorchBackend:
         max_batch: int,
         reasoning_when_hidden: bool = False,
         make_decoder: DecoderFactory | None = None,
+        max_cached_tokens: int = 0,
     ) -> None:
-        """Wrap a loaded model; ``make_decoder`` defaults to the real ``OutputDecoder``."""
+        """Wrap a loaded model; ``make_decoder`` defaults to the real ``OutputDecoder``.
+
+        ``max_cached_tokens`` bounds the tokens running sequences may hold (0: derived).
+        """
         from shared.prompt import PromptRenderer
 
         self.loaded = loaded
@@ -62,6 +91,15 @@ class TorchBackend:
         self.max_batch = max_batch
         self.renderer = PromptRenderer(
             loaded.card, loaded.tokenizer, reasoning_when_hidden=reasoning_when_hidden
+        )
+        cfg = loaded.model.config
+        budget = max_cached_tokens or derive_max_cached_tokens(
+            layers=int(cfg.num_layers),
+            kv_heads=int(cfg.num_kv_heads),
+            head_dim=int(cfg.head_dim),
+            dtype=loaded.dtype,
+            context=int(cfg.context_length),
+            slots=max_batch,
         )
         self.scheduler = Scheduler(
             loaded.model,
@@ -71,6 +109,7 @@ class TorchBackend:
             device=loaded.device,
             dtype=loaded.dtype,
             make_decoder=make_decoder or self._output_decoder,
+            max_cached_tokens=budget,
         )
 
     def _output_decoder(
@@ -123,9 +162,22 @@ class TorchBackend:
             raise ContextOverflow(
                 f"prompt of {len(prompt)} tokens leaves no room in the {ctx}-token context"
             )
-        max_new = job.max_tokens if job.max_tokens is not None else ctx - len(prompt)
+        budget = self.scheduler.max_cached_tokens
+        if len(prompt) + len(resume) >= budget:
+            raise ContextOverflow(
+                f"prompt of {len(prompt)} tokens leaves no room in this worker's "
+                f"{budget}-token cache budget"
+            )
+        room = min(ctx, budget) - len(prompt)
+        max_new = job.max_tokens if job.max_tokens is not None else room
         if max_new <= 0:
             raise InvalidRequest("max_tokens must be at least 1")
+        if min(max_new, ctx - len(prompt)) > room:  # past the context is cut off, never cached
+            raise ContextOverflow(
+                f"prompt of {len(prompt)} tokens plus max_tokens={max_new} can never fit in "
+                f"this worker's {budget}-token cache budget"
+            )
+        max_new = min(max_new, ctx - len(prompt))
         seq = Sequence(
             job=job,
             prompt=prompt,
@@ -220,4 +272,5 @@ def load_backend(settings: Settings, model_spec: str, name: str | None) -> Torch
         loaded,
         max_batch=settings.max_batch,
         reasoning_when_hidden=settings.reasoning_when_hidden,
+        max_cached_tokens=settings.max_cached_tokens,
     )

@@ -1,10 +1,16 @@
 """The continuous-batching decode loop: one thread, many sequences, one forward per step.
 
-Owns slot admission (with prefix reuse), chunked prefill interleaved with decode steps, token
-choice (forced marker, penalties, EOS masking, sampling, logprobs), stop conditions, and freeing
-slots the moment a sequence finishes or is cancelled. Events go back to each sequence's asyncio
-queue through ``loop.call_soon_threadsafe``; the asyncio side (``engine.TorchBackend``) never
-touches tensors. Knows nothing about Redis.
+Owns slot admission (with prefix reuse and the cached-token budget), chunked prefill
+interleaved with decode steps, token choice (forced marker, penalties, EOS masking, sampling,
+logprobs), stop conditions, and freeing slots the moment a sequence finishes or is cancelled.
+Events go back to each sequence's asyncio queue through ``loop.call_soon_threadsafe``; the
+asyncio side (``engine.TorchBackend``) never touches tensors. Knows nothing about Redis.
+
+The budget: each sequence reserves the most tokens it can ever cache (prompt + resume + the
+tokens it may still generate, capped at the context), so a running sequence never runs out of
+room and nothing needs preempting. A pending sequence is admitted, in arrival order, only when a
+slot is free and its reservation fits beside the running ones; otherwise it waits (it is not
+rejected) until finishing sequences give their reservations back.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class DecoderLike(Protocol):
 
     def feed(self, token_id: int, logprob: TokenLogprob | None = None) -> list[AnyEvent]: ...
     def forced_next_token(self) -> int | None: ...
+    def resume(self, token_ids: list[int]) -> None: ...
     def finish(self, reason: FinishReason) -> list[AnyEvent]: ...
 
 
@@ -76,6 +83,12 @@ class Sequence:
     seen: torch.Tensor | None = None  # (V,) bool prompt + generated, for repetition penalty
     cancelled: bool = False
     done: bool = False
+    reserved: int = 0  # tokens held against the scheduler's budget while admitted
+
+    @property
+    def reservation(self) -> int:
+        """The most tokens this sequence can ever have cached (its claim on the budget)."""
+        return len(self.prompt) + max(self.max_new, len(self.resume))
 
 
 class Scheduler:
@@ -91,13 +104,20 @@ class Scheduler:
         device: torch.device,
         dtype: torch.dtype,
         make_decoder: DecoderFactory,
+        max_cached_tokens: int | None = None,
     ) -> None:
-        """Allocate the cache; call ``start`` to run the loop."""
+        """Allocate the cache; call ``start`` to run the loop.
+
+        ``max_cached_tokens`` bounds the sum of the running sequences' reservations
+        (None: ``max_batch`` full contexts, i.e. only the slots limit admission).
+        """
         cfg = cast(LlamaConfig, model.config)  # LlamaModel or a test double with its config
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
         self.device, self.max_batch, self.make_decoder = device, max_batch, make_decoder
         self.context_length = int(cfg.context_length)
         self.vocab = int(cfg.vocab_size)
+        self.max_cached_tokens = max_cached_tokens or max_batch * self.context_length
+        self.reserved = 0  # sum of the admitted sequences' reservations
         self.cache = KVCache(
             layers=cfg.num_layers,
             slots=max_batch,
@@ -139,6 +159,10 @@ class Scheduler:
 
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence for admission (thread-safe)."""
+        if seq.reservation > self.max_cached_tokens:  # it would wait forever
+            raise ValueError(
+                f"{seq.reservation} tokens exceed the {self.max_cached_tokens}-token budget"
+            )
         with self._cond:
             if self._stop or self._thread is None or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running")
@@ -176,10 +200,23 @@ class Scheduler:
                         seq.emit(exc)
                         self._release(seq)
 
+    @property
+    def waiting(self) -> int:
+        """Sequences submitted but not yet admitted (no slot, or no room in the budget)."""
+        return len(self._pending)
+
     def _admit(self) -> None:
-        """Move pending sequences into free slots, preferring the slot with the longest prefix."""
+        """Move pending sequences into free slots, preferring the slot with the longest prefix.
+
+        Strictly in arrival order: a large request at the head waits for room rather than being
+        overtaken forever by small ones.
+        """
         while self._pending and self._free:
+            if self.reserved + self._pending[0].reservation > self.max_cached_tokens:
+                return
             seq = self._pending.popleft()
+            seq.reserved = seq.reservation
+            self.reserved += seq.reserved
             seq.tokens = [*seq.prompt, *seq.resume]
             limit = min(len(seq.tokens) - 1, len(seq.prompt))  # prefill at least one token
             best = max(
@@ -195,6 +232,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if seq in self._active:
             self._active.remove(seq)
+            self.reserved -= seq.reserved
+            seq.reserved = 0
             self.cache.tokens[seq.slot] = seq.tokens[: seq.kv_len]
             self._free.append(seq.slot)
             self._free.sort()
@@ -225,8 +264,10 @@ class Scheduler:
         seq.decoder = self.make_decoder(
             seq.job, len(seq.prompt), seq.cached, seq.starts_in_reasoning
         )
-        for token in seq.resume:  # re-feed the lost worker's tokens; their events were published
-            seq.decoder.feed(token)
+        # The lost worker's tokens were published: rebuild the decoder's state without
+        # re-emitting anything it would still hold back (no duplicated text on the stream).
+        seq.decoder.resume(seq.resume)
+        for token in seq.resume:
             self._count(seq, token)
         seq.generated = len(seq.resume)
         start = Start(

@@ -9,26 +9,21 @@ equal the non-streaming ``render(fold(events))`` of the same events.
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import pytest
-import uvicorn
 from anthropic.types import Message
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from services.api.sse import MEDIA_TYPE
 from services.api.wire.anthropic_messages import MessageContext, render
 from shared.accumulate import fold
 from shared.events import Error
+from tests.conformance.transcript_server import serve_post
 from tests.factories import SCENARIOS
 from tests.invariants import check_stream
 
@@ -48,19 +43,9 @@ async def _messages(request: Request) -> Response:
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = Starlette(routes=[Route("/v1/messages", _messages, methods=["POST"])])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "transcript server died"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    """A real uvicorn server in a thread, serving the golden transcripts."""
+    with serve_post("/v1/messages", _messages) as url:
+        yield url
 
 
 @pytest.fixture

@@ -8,27 +8,22 @@ stream helper reconstructs exactly the non-streaming response from the same even
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import msgspec
 import openai
 import pytest
-import uvicorn
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from services.api.errors import openai_error_body
 from services.api.sse import comment
 from services.api.wire.openai_chat import error_from_event, render
 from shared.accumulate import fold
 from shared.events import Error
+from tests.conformance.transcript_server import serve_post
 from tests.factories import SCENARIOS
 from tests.golden.test_openai_chat import GOLDEN_DIR, context, golden_cases
 from tests.invariants import check_stream
@@ -67,19 +62,8 @@ def _with_ids_and_keepalives(data: bytes) -> bytes:
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     """A real uvicorn server in a thread, serving the golden transcripts."""
-    app = Starlette(routes=[Route("/v1/chat/completions", _completions, methods=["POST"])])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serve_post("/v1/chat/completions", _completions) as url:
+        yield f"{url}/v1"
 
 
 @pytest.fixture(scope="module")

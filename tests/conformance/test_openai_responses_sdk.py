@@ -9,16 +9,12 @@ events. A Codex-style consumer builds its history only from ``response.output_it
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import msgspec
 import openai
 import pytest
-import uvicorn
 from openai.types.responses import (
     ResponseCompletedEvent,
     ResponseCreatedEvent,
@@ -26,13 +22,12 @@ from openai.types.responses import (
     ResponseFailedEvent,
     ResponseIncompleteEvent,
 )
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from services.api.wire.openai_responses import render
 from shared.accumulate import fold
+from tests.conformance.transcript_server import serve_post
 from tests.factories import SCENARIOS
 from tests.golden.test_openai_responses import GOLDEN_DIR, REQUEST, RESPONSE_ID, golden_skeleton
 from tests.invariants import check_stream
@@ -56,19 +51,8 @@ async def _responses(request: Request) -> Response:
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     """A real uvicorn server in a thread, serving the golden transcripts."""
-    app = Starlette(routes=[Route("/v1/responses", _responses, methods=["POST"])])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serve_post("/v1/responses", _responses) as url:
+        yield f"{url}/v1"
 
 
 @pytest.fixture(scope="module")

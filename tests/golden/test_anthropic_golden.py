@@ -7,17 +7,16 @@ message it builds must equal the non-streaming ``render(fold(events))``.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from services.api import sse
 from services.api.wire.anthropic_messages import AnthropicProjector, MessageContext, render
 from shared.accumulate import fold
 from shared.events import AnyEvent, Error
 from tests.factories import SCENARIOS
 from tests.golden.anthropic_messages.consumer import StreamFailed, parse_sse, strict_consume
+from tests.golden.golden_io import assert_golden, project
 from tests.invariants import check_stream
 
 GOLDEN = Path(__file__).parent / "anthropic_messages"
@@ -25,10 +24,7 @@ CTX = MessageContext(message_id="msg_0000000000000001", model="tiny-test")
 
 
 def transcript(events: list[AnyEvent]) -> bytes:
-    projector = AnthropicProjector(CTX)
-    frames = [frame for event in events for frame in projector.feed(event)]
-    frames += projector.close()
-    return b"".join(sse.encode(frame) for frame in frames)
+    return project(AnthropicProjector(CTX), events)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -36,11 +32,7 @@ def test_transcript_is_byte_stable(name: str) -> None:
     events = SCENARIOS[name]()
     check_stream(events)
     raw = transcript(events)
-    path = GOLDEN / f"{name}.sse"
-    if os.environ.get("SLUICE_UPDATE_GOLDEN") == "1":
-        path.write_bytes(raw)
-    assert path.exists(), f"missing {path.name}; regenerate with SLUICE_UPDATE_GOLDEN=1"
-    assert raw == path.read_bytes()
+    assert_golden(GOLDEN / f"{name}.sse", raw)
 
 
 def test_no_stale_transcripts() -> None:

@@ -6,15 +6,14 @@ what the conformance tests feed the openai SDK.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from services.api.sse import encode
 from services.api.wire.openai_chat import ChatContext, ChatProjector
 from shared.events import AnyEvent, ReasoningDelta
 from tests.factories import SCENARIOS
+from tests.golden.golden_io import assert_golden, project
 from tests.invariants import check_stream
 
 GOLDEN_DIR = Path(__file__).parent / "openai_chat"
@@ -48,10 +47,7 @@ def context(*, include_usage: bool, include_reasoning: bool) -> ChatContext:
 
 def transcript(events: list[AnyEvent], ctx: ChatContext) -> bytes:
     """Project events into the SSE bytes a client receives."""
-    projector = ChatProjector(ctx)
-    frames = [f for e in events for f in projector.feed(e)]
-    frames += projector.close()
-    return b"".join(encode(f) for f in frames)
+    return project(ChatProjector(ctx), events)
 
 
 @pytest.mark.parametrize(
@@ -61,12 +57,7 @@ def test_transcript_matches_golden(stem: str, scenario: str, usage: bool, shown:
     events = SCENARIOS[scenario]()
     check_stream(events)
     actual = transcript(events, context(include_usage=usage, include_reasoning=shown))
-    path = GOLDEN_DIR / f"{stem}.sse"
-    if os.environ.get("SLUICE_UPDATE_GOLDEN") == "1":
-        GOLDEN_DIR.mkdir(exist_ok=True)
-        path.write_bytes(actual)
-    assert path.exists(), f"missing {path}; run with SLUICE_UPDATE_GOLDEN=1"
-    assert actual == path.read_bytes()
+    assert_golden(GOLDEN_DIR / f"{stem}.sse", actual)
 
 
 def test_every_golden_file_has_a_case() -> None:

@@ -7,17 +7,16 @@ what the conformance tests feed the openai SDK (``tests/conformance/test_openai_
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from services.api.sse import encode
 from services.api.wire.openai_responses import ResponsesContext, ResponsesProjector
 from services.api.wire.openai_responses_request import parse_request, skeleton
 from services.api.wire.openai_responses_types import Response
 from shared.events import AnyEvent
 from tests.factories import SCENARIOS
+from tests.golden.golden_io import assert_golden, project
 from tests.invariants import check_stream
 
 GOLDEN_DIR = Path(__file__).parent / "openai_responses"
@@ -47,10 +46,7 @@ def golden_skeleton() -> Response:
 def transcript(events: list[AnyEvent], starting_after: int = -1) -> bytes:
     """Project events into the SSE bytes a client receives."""
     ctx = ResponsesContext(skeleton=golden_skeleton(), starting_after=starting_after)
-    projector = ResponsesProjector(ctx)
-    frames = [f for e in events for f in projector.feed(e)]
-    frames += projector.close()
-    return b"".join(encode(f) for f in frames)
+    return project(ResponsesProjector(ctx), events)
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -58,12 +54,7 @@ def test_transcript_matches_golden(scenario: str) -> None:
     events = SCENARIOS[scenario]()
     check_stream(events)
     actual = transcript(events)
-    path = GOLDEN_DIR / f"{scenario}.sse"
-    if os.environ.get("SLUICE_UPDATE_GOLDEN") == "1":
-        GOLDEN_DIR.mkdir(exist_ok=True)
-        path.write_bytes(actual)
-    assert path.exists(), f"missing {path}; run with SLUICE_UPDATE_GOLDEN=1"
-    assert actual == path.read_bytes()
+    assert_golden(GOLDEN_DIR / f"{scenario}.sse", actual)
 
 
 def test_every_golden_file_has_a_scenario() -> None:

@@ -1,7 +1,8 @@
 """Fixtures for integration tests: settings on the test Redis db, a live API, a scripted worker.
 
 ``api`` serves the real app with uvicorn on a free port (see ``server_harness``). ``worker`` runs
-the real worker with the scripted backend (``tests/integration/worker_harness.py``). ``tiny_model``
+the real worker with the scripted backend (``tests/integration/worker_harness.py``);
+``steady_worker`` is the same with a lease no busy CI box outlives. ``tiny_model``
 publishes a small real model card (tokenizer + template) with a live heartbeat, for tests that
 exercise the API side alone.
 """
@@ -9,6 +10,7 @@ exercise the API side alone.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import pytest
 import redis.asyncio as aioredis
@@ -16,6 +18,9 @@ import redis.asyncio as aioredis
 from shared.config import Settings
 from shared.model_card import ModelCard
 from tests.integration.server_harness import announce_worker, publish_card, running_api, tiny_card
+
+if TYPE_CHECKING:
+    from tests.integration.worker_harness import WorkerHandle
 
 
 @pytest.fixture
@@ -46,4 +51,14 @@ async def worker(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[object]
     from tests.integration.worker_harness import running_worker
 
     async with running_worker(redis_url, model_spec="scripted:text?rate=0") as handle:
+        yield handle
+
+
+@pytest.fixture
+async def steady_worker(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[WorkerHandle]:
+    """A scripted text worker with a lease long enough that a busy CI box never "loses" it."""
+    from tests.integration.worker_harness import running_worker
+
+    overrides = {"lease_ttl_s": 10.0, "heartbeat_s": 0.5}
+    async with running_worker(redis_url, "scripted:text?rate=0", overrides) as handle:
         yield handle

@@ -23,7 +23,7 @@ from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry
 from shared.events import AnyEvent
-from tests.integration.worker_harness import WorkerHandle, running_worker
+from tests.integration.worker_harness import WorkerHandle
 from tests.invariants import check_stream
 
 pytestmark = pytest.mark.integration
@@ -50,15 +50,7 @@ FINISHING = {
 
 
 @pytest.fixture
-async def chat_worker(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[WorkerHandle]:
-    """A scripted worker with a lease long enough that a busy CI box never "loses" it."""
-    overrides = {"lease_ttl_s": 10.0, "heartbeat_s": 0.5}
-    async with running_worker(redis_url, "scripted:text?rate=0", overrides) as handle:
-        yield handle
-
-
-@pytest.fixture
-async def client(api: str, chat_worker: WorkerHandle) -> AsyncIterator[openai.AsyncOpenAI]:
+async def client(api: str, steady_worker: WorkerHandle) -> AsyncIterator[openai.AsyncOpenAI]:
     """The async SDK against the live API, a scripted worker behind it, no retries."""
     async with openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="k", max_retries=0) as c:
         yield c
@@ -232,7 +224,7 @@ async def test_unknown_model_is_404_model_not_found(
     assert await no_request_stored(redis)
 
 
-async def test_body_that_is_not_json_is_a_400(api: str, chat_worker: WorkerHandle) -> None:
+async def test_body_that_is_not_json_is_a_400(api: str, steady_worker: WorkerHandle) -> None:
     import httpx
 
     async with httpx.AsyncClient(base_url=api) as http:
@@ -276,7 +268,7 @@ def data_frames(body: str) -> list[tuple[str | None, str]]:
 
 
 async def test_resume_after_last_event_id_continues_without_repeating(
-    api: str, chat_worker: WorkerHandle
+    api: str, steady_worker: WorkerHandle
 ) -> None:
     import httpx
 

@@ -22,7 +22,7 @@ from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry
 from shared.events import AnyEvent
-from tests.integration.worker_harness import WorkerHandle, running_worker
+from tests.integration.worker_harness import WorkerHandle
 from tests.invariants import check_stream
 
 pytestmark = pytest.mark.integration
@@ -41,15 +41,7 @@ SCRIPTS = ["text", "reasoning", "tool_call", "parallel_tool_calls", "parameterle
 
 
 @pytest.fixture
-async def responses_worker(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[WorkerHandle]:
-    """A scripted worker with a lease long enough that a busy CI box never "loses" it."""
-    overrides = {"lease_ttl_s": 10.0, "heartbeat_s": 0.5}
-    async with running_worker(redis_url, "scripted:text?rate=0", overrides) as handle:
-        yield handle
-
-
-@pytest.fixture
-async def client(api: str, responses_worker: WorkerHandle) -> AsyncIterator[openai.AsyncOpenAI]:
+async def client(api: str, steady_worker: WorkerHandle) -> AsyncIterator[openai.AsyncOpenAI]:
     """The async SDK against the live API, a scripted worker behind it, no retries."""
     async with openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="k", max_retries=0) as c:
         yield c
@@ -144,7 +136,7 @@ async def test_stream_raw_and_non_stream_agree_with_the_log(
 
 
 async def test_codex_style_client_reads_to_eof_after_completed(
-    api: str, responses_worker: WorkerHandle
+    api: str, steady_worker: WorkerHandle
 ) -> None:
     history: list[dict[str, object]] = []
     after_terminal: list[str] = []

@@ -29,15 +29,7 @@ QUESTION = "What is the weather in Paris?"
 
 
 @pytest.fixture
-async def worker(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[WorkerHandle]:
-    """A scripted worker; ``long`` at 200 tokens/s gives cancel tests a response in flight."""
-    overrides = {"lease_ttl_s": 10.0, "heartbeat_s": 0.5}
-    async with running_worker(redis_url, "scripted:text?rate=0", overrides) as handle:
-        yield handle
-
-
-@pytest.fixture
-async def replicas(redis_url: str, worker: WorkerHandle) -> AsyncIterator[tuple[str, str]]:
+async def replicas(redis_url: str, steady_worker: WorkerHandle) -> AsyncIterator[tuple[str, str]]:
     """Two API replicas on the same Redis database, with two API keys configured."""
     settings = Settings(redis_url=redis_url, keepalive_s=0.5, api_keys=[KEY_A, KEY_B])
     async with running_api(settings) as one, running_api(settings) as two:

@@ -16,15 +16,12 @@ from fastapi import APIRouter, Request, Response
 
 from services.api.app import AppState, get_state
 from services.api.auth import authenticate
-from services.api.hub import parse_id
+from services.api.replay import catch_up
 from services.api.streaming import collect, sse_response
 from services.api.submit import load_job, new_request_id, submit
 from services.api.wire.openai_chat import ChatContext, ChatProjector, error_from_event, render
 from services.api.wire.openai_chat_request import parse_chat_request
-from shared import keys
 from shared.accumulate import fold
-from shared.codec import decode_entry
-from shared.errors import InvalidRequest
 from shared.jobs import GenerateRequest
 
 __all__ = ["router"]
@@ -85,16 +82,9 @@ async def replay_chat_completion(rid: str, request: Request) -> Response:
     state = get_state(request)
     job = await load_job(state, rid, await authenticate(request))
     usage = request.query_params.get("include_usage", "").lower() in _TRUTHY
-    after = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
-    try:
-        parse_id(after)
-    except ValueError as exc:
-        raise InvalidRequest(f"{after!r} is not a stream entry id", param="after") from exc
     projector = ChatProjector(_context(state, job, include_usage=usage))
-    if after != "0-0":
-        # Re-feed what the client already has, discarding the frames, so the role and each tool
-        # call's id/name are not sent twice (the SDK would concatenate them).
-        for _, fields in await state.redis.xrange(keys.events(rid), "-", after):
-            projector.feed(decode_entry(fields))
+    # Caught up, the role and each tool call's id/name are not sent twice (the SDK would
+    # concatenate them).
+    after = await catch_up(state, request, rid, projector)
     headers = {"x-request-id": rid}
     return sse_response(state, request, rid, projector, after=after, headers=headers)

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request, Response
 
 from services.api.app import AppState, get_state
 from services.api.auth import authenticate
-from services.api.hub import parse_id
+from services.api.replay import catch_up
 from services.api.streaming import collect, sse_response
 from services.api.submit import load_job, new_request_id, submit
 from services.api.wire.anthropic_messages import PING, AnthropicProjector, MessageContext, render
@@ -27,9 +27,7 @@ from services.api.wire.anthropic_messages_request import (
     parse_count_tokens_request,
     parse_messages_request,
 )
-from shared import keys
 from shared.accumulate import fold
-from shared.codec import decode_entry
 from shared.errors import InvalidRequest
 
 __all__ = ["router"]
@@ -95,17 +93,10 @@ async def replay_message(rid: str, request: Request) -> Response:
     """Stream a stored request as Anthropic SSE, from the start or after ``Last-Event-ID``."""
     state = get_state(request)
     ctx = await _stored(state, request, rid)
-    after = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
-    try:
-        parse_id(after)
-    except ValueError as exc:
-        raise InvalidRequest(f"{after!r} is not a stream entry id", param="after") from exc
     projector = AnthropicProjector(ctx)
-    if after != "0-0":
-        # Re-feed what the client already has, discarding the frames, so block indexes and
-        # the single message_start continue exactly where the interrupted stream stopped.
-        for _, fields in await state.redis.xrange(keys.events(rid), "-", after):
-            projector.feed(decode_entry(fields))
+    # Caught up, block indexes and the single message_start continue exactly where the
+    # interrupted stream stopped.
+    after = await catch_up(state, request, rid, projector)
     headers = {"request-id": rid}
     return sse_response(
         state, request, rid, projector, after=after, keepalive=PING, headers=headers

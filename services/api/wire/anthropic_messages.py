@@ -21,14 +21,10 @@ from typing import Literal, assert_never
 import msgspec
 
 from services.api.sse import Frame, json_frame
+from services.api.wire import common
+from services.api.wire.common import JsonObject
 from shared.accumulate import Completion, ReasoningBlock, TextBlock, ToolCallBlock
-from shared.errors import (
-    ContextOverflow,
-    InvalidRequest,
-    Overloaded,
-    ServiceError,
-    WorkerLost,
-)
+from shared.errors import ServiceError
 from shared.events import (
     AnyEvent,
     Error,
@@ -54,7 +50,6 @@ __all__ = [
     "tool_use_id",
 ]
 
-JsonObject = dict[str, object]
 BlockKind = Literal["text", "thinking", "tool_use"]
 
 PING = json_frame({"type": "ping"}, event="ping")
@@ -123,19 +118,9 @@ def service_error(event: Error) -> ServiceError:
     Returns:
         The matching ``ServiceError`` subclass instance.
     """
-    match event.kind:
-        case "overloaded":
-            return Overloaded(event.message, retry_after=1.0 if event.retryable else None)
-        case "invalid_request":
-            return InvalidRequest(event.message)
-        case "context_overflow":
-            return ContextOverflow(event.message)
-        case "worker_lost":
-            return WorkerLost(event.message)
-        case "cancelled" | "internal":
-            return ServiceError(event.message)
-        case _:
-            assert_never(event.kind)
+    # Anthropic clients honour retry-after on 529; the worker marks overload as retryable.
+    retryable = event.kind == "overloaded" and event.retryable
+    return common.service_error(event, retry_after=1.0 if retryable else None)
 
 
 def _usage(input_tokens: int, cached: int, output_tokens: int) -> JsonObject:

@@ -1,9 +1,10 @@
 """Anthropic Messages request parsing: raw JSON body → canonical ``GenerateRequest``.
 
-Owns the msgspec Structs for the ``POST /v1/messages`` (and ``/count_tokens``) body and the
-translation into the format-agnostic job. It must not render templates, touch Redis or know
-about the response side; every problem becomes ``InvalidRequest`` with the offending ``param``,
-which the app renders as Anthropic's 400 ``invalid_request_error`` (never FastAPI's 422).
+Owns decoding and validating the ``POST /v1/messages`` (and ``/count_tokens``) body and its
+translation into the format-agnostic job; the body's Structs live in
+``anthropic_messages_types``. It must not render templates, touch Redis or know about the
+response side; every problem becomes ``InvalidRequest`` with the offending ``param``, which the
+app renders as Anthropic's 400 ``invalid_request_error`` (never FastAPI's 422).
 
 What clients actually send (wire-formats.md §4.2, §4.3): ``system`` as a string or text blocks,
 ``role: "system"`` turns inside ``messages`` (Claude Code), ``thinking`` / ``redacted_thinking``
@@ -14,17 +15,28 @@ SDKs only pass through ``extra_body``.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
-from msgspec import Meta
 
+from services.api.wire.anthropic_messages_types import (
+    BLOCK_TYPES,
+    ContentBlock,
+    MessagesRequest,
+    Metadata,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolChoiceParam,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from services.api.wire.common import decode_body, error_location, reasoning_effort
 from shared.errors import InvalidRequest
 from shared.jobs import (
     GenerateRequest,
     Message,
     ReasoningControl,
-    ReasoningEffort,
     SamplingParams,
     TextPart,
     ToolCall,
@@ -39,133 +51,8 @@ __all__ = [
     "parse_messages_request",
 ]
 
-JsonObject = dict[str, object]
-
-
-# -- content blocks -------------------------------------------------------------------------
-
-
-class TextBlock(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
-    """``{"type": "text", "text": ...}``; ``cache_control`` / ``citations`` are ignored."""
-
-    text: str
-
-
-class ToolUseBlock(msgspec.Struct, frozen=True, tag_field="type", tag="tool_use"):
-    """A tool call of an earlier assistant turn; ``input`` is a JSON object."""
-
-    id: str
-    name: str
-    input: JsonObject = {}
-
-
-class ToolResultBlock(msgspec.Struct, frozen=True, tag_field="type", tag="tool_result"):
-    """The result of a tool call, sent in the next user turn."""
-
-    tool_use_id: str
-    content: str | list[TextBlock] | None = None
-    is_error: bool = False
-
-
-class ThinkingBlock(msgspec.Struct, frozen=True, tag_field="type", tag="thinking"):
-    """Replayed reasoning; local models have no real signature, so any (or none) is fine."""
-
-    thinking: str = ""
-    signature: str | None = None
-
-
-class RedactedThinkingBlock(msgspec.Struct, frozen=True, tag_field="type", tag="redacted_thinking"):
-    """Opaque encrypted reasoning from another provider: accepted and dropped."""
-
-    data: str = ""
-
-
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
-_BLOCK_TYPES = "text, tool_use, tool_result, thinking, redacted_thinking"
-
-
-class InputMessage(msgspec.Struct, frozen=True):
-    """One turn of ``messages``."""
-
-    role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock] = ""
-
-
-# -- tools, tool_choice, thinking, metadata -------------------------------------------------
-
-
-class Tool(msgspec.Struct, frozen=True):
-    """A client tool; server tools carry a versioned ``type`` and are not supported."""
-
-    name: str
-    input_schema: JsonObject = {}
-    description: str | None = None
-    type: str | None = None
-
-
-class ToolChoiceParam(msgspec.Struct, frozen=True):
-    """``{"type": "auto" | "any" | "tool" | "none", "name"?, "disable_parallel_tool_use"?}``."""
-
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None  # type == "tool"
-    disable_parallel_tool_use: bool = False
-
-
-class ThinkingParam(msgspec.Struct, frozen=True):
-    """How much to think: ``enabled`` (with a budget), ``disabled`` or ``adaptive``.
-
-    ``budget_tokens`` counts toward ``max_tokens``; ``display: "omitted"`` hides the text.
-    """
-
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[int, Meta(ge=1)] | None = None
-    display: Literal["summarized", "omitted"] | None = None
-
-
-class OutputConfig(msgspec.Struct, frozen=True):
-    """SDK 2.x ``output_config``: only ``effort`` is honoured."""
-
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: JsonObject | None = None
-
-
-class Metadata(msgspec.Struct, frozen=True):
-    """``metadata.user_id``; ``script`` selects a scripted-backend scenario in tests."""
-
-    user_id: str | None = None
-    script: str | None = None
-
-
-class MessagesRequest(msgspec.Struct, frozen=True):
-    """The body of ``POST /v1/messages``; unknown top-level fields are accepted and ignored."""
-
-    model: str
-    messages: list[InputMessage]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None  # 0 means "no top-k"
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoiceParam | None = None
-    thinking: ThinkingParam | None = None
-    output_config: OutputConfig | None = None
-    metadata: Metadata | None = None
-    stream: bool = False
-
-
 _DECODER = msgspec.json.Decoder(MessagesRequest)
-# msgspec reports "<what> - at `$.a[0].b`"; the path becomes the error's ``param``.
-_PATH = re.compile(r"- at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
-_EFFORT: dict[str, ReasoningEffort] = {
-    "low": "low",
-    "medium": "medium",
-    "high": "high",
-    "xhigh": "high",
-    "max": "high",
-}
 
 
 def parse_messages_request(body: bytes) -> MessagesRequest:
@@ -199,32 +86,22 @@ def parse_count_tokens_request(body: bytes) -> MessagesRequest:
     Raises:
         InvalidRequest: as for ``parse_messages_request``, except for ``max_tokens``.
     """
-    req = _decode(body)
+    req = decode_body(_DECODER, body, _validation_error)
     _validate(req)
     return req
 
 
-def _decode(body: bytes) -> MessagesRequest:
-    try:
-        return _DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        raise _validation_error(str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-
-
-def _validation_error(text: str) -> InvalidRequest:
-    match = _PATH.search(text)
-    path = match.group("path") if match else None
+def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
+    text = str(exc)
+    what, path = error_location(text)
     missing = _MISSING.match(text)
     if missing:
         field = f"{path}.{missing.group('field')}" if path else missing.group("field")
         return InvalidRequest(f"{field}: Field required", param=field)
-    what = text.split(" - at ")[0]
     if path is not None and path.endswith(".type") and "content" in path:
         where = path.removesuffix(".type")
         # A tool_result's own content holds text blocks only; a turn holds the five kinds.
-        kinds = "text" if where.count("content") > 1 else _BLOCK_TYPES
+        kinds = "text" if where.count("content") > 1 else BLOCK_TYPES
         message = f"{where}: {what}; supported content block types: {kinds}"
         return InvalidRequest(message, param=where)
     return InvalidRequest(f"{path}: {what}" if path else text, param=path or None)
@@ -340,7 +217,7 @@ def _tool_choice(choice: ToolChoiceParam | None) -> ToolChoice:
 
 def _reasoning(req: MessagesRequest) -> ReasoningControl:
     effort = req.output_config.effort if req.output_config else None
-    mapped = _EFFORT[effort] if effort else None
+    mapped = reasoning_effort(effort, "output_config.effort")
     thinking = req.thinking
     if thinking is None:
         return ReasoningControl(effort=mapped, explicit=mapped is not None)

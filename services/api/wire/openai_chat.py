@@ -3,30 +3,44 @@
 Owns the event -> ``chat.completion.chunk`` mapping (wire-formats.md §2.5, §8.1) and the
 ``chat.completion`` body, which is ``render(fold(events))`` so both paths read the same events.
 Pure: no awaits, no Redis, no clock, no random ids; everything variable comes from ``ChatContext``.
-Request parsing lives in ``openai_chat_request``.
+Request parsing lives in ``openai_chat_request``; the response Structs in ``openai_chat_types``.
 """
 
 from __future__ import annotations
 
-from typing import Literal, assert_never
+from typing import assert_never
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET
 
 from services.api.errors import openai_error_body
 from services.api.sse import Frame, json_frame
-from shared.accumulate import Completion, TextBlock
-from shared.errors import (
-    ContextOverflow,
-    InvalidRequest,
-    Overloaded,
-    ServiceError,
-    WorkerLost,
+from services.api.wire.common import service_error
+from services.api.wire.openai_chat_types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatFinishReason,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    CompletionTokensDetails,
+    CompletionUsage,
+    Delta,
+    FunctionDelta,
+    FunctionOut,
+    LogprobOut,
+    PromptTokensDetails,
+    ReasoningField,
+    ResponseMessage,
+    ToolCallDelta,
+    ToolCallOut,
+    TopLogprobOut,
 )
+from shared.accumulate import Completion, TextBlock
+from shared.errors import ServiceError
 from shared.events import (
     AnyEvent,
     Error,
-    ErrorKind,
     Finish,
     FinishReason,
     ReasoningDelta,
@@ -45,12 +59,11 @@ __all__ = [
     "ChatCompletionChunk",
     "ChatContext",
     "ChatProjector",
+    "ReasoningField",
     "error_from_event",
     "render",
 ]
 
-ReasoningField = Literal["reasoning_content", "reasoning", "both"]
-ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 _FINISH: dict[FinishReason, ChatFinishReason] = {
     "end_turn": "stop",
@@ -58,14 +71,6 @@ _FINISH: dict[FinishReason, ChatFinishReason] = {
     "max_tokens": "length",
     "tool_use": "tool_calls",
     "cancelled": "stop",  # the wire has no "cancelled"; only replays of cut requests see it
-}
-_ERRORS: dict[ErrorKind, type[ServiceError]] = {
-    "invalid_request": InvalidRequest,
-    "context_overflow": ContextOverflow,
-    "overloaded": Overloaded,
-    "worker_lost": WorkerLost,
-    "cancelled": ServiceError,
-    "internal": ServiceError,
 }
 
 
@@ -79,145 +84,6 @@ class ChatContext(msgspec.Struct, frozen=True, kw_only=True):
     include_reasoning: bool = False
     reasoning_field: ReasoningField = "reasoning_content"
     logprobs: bool = False
-
-
-class PromptTokensDetails(msgspec.Struct):
-    """``usage.prompt_tokens_details``: cached prompt tokens (a subset of prompt_tokens)."""
-
-    cached_tokens: int
-
-
-class CompletionTokensDetails(msgspec.Struct):
-    """``usage.completion_tokens_details``: reasoning tokens (a subset of completion_tokens)."""
-
-    reasoning_tokens: int
-
-
-class CompletionUsage(msgspec.Struct):
-    """Token accounting, in the non-streaming body and the final ``choices: []`` chunk."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    completion_tokens_details: CompletionTokensDetails
-
-
-class TopLogprobOut(msgspec.Struct):
-    """One alternative in ``top_logprobs``."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class LogprobOut(msgspec.Struct):
-    """Log-probability of one sampled token."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprobOut]
-
-
-class ChoiceLogprobs(msgspec.Struct):
-    """``choices[].logprobs``; the SDK concatenates ``content`` across chunks."""
-
-    content: list[LogprobOut] | None
-    refusal: None = None
-
-
-class FunctionDelta(msgspec.Struct):
-    """``tool_calls[].function`` in a delta: ``name`` only in the call's first delta."""
-
-    name: str | UnsetType = UNSET
-    arguments: str = ""
-
-
-class ToolCallDelta(msgspec.Struct):
-    """A tool-call delta: ``id`` and ``type`` only in the call's first delta."""
-
-    index: int
-    id: str | UnsetType = UNSET
-    type: Literal["function"] | UnsetType = UNSET
-    function: FunctionDelta = msgspec.field(default_factory=FunctionDelta)
-
-
-class Delta(msgspec.Struct):
-    """``choices[].delta``; unset fields are omitted, since the SDK concatenates strings."""
-
-    role: Literal["assistant"] | UnsetType = UNSET
-    content: str | UnsetType | None = UNSET
-    reasoning_content: str | UnsetType = UNSET
-    reasoning: str | UnsetType = UNSET
-    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
-
-
-class ChunkChoice(msgspec.Struct):
-    """The one choice of a chunk (``n`` is always 1)."""
-
-    index: int
-    delta: Delta
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: ChatFinishReason | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    """One streamed chunk; ``usage`` is omitted unless the client asked for usage."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: CompletionUsage | UnsetType | None = UNSET
-
-
-class FunctionOut(msgspec.Struct):
-    """A complete tool call's function: name and JSON arguments as text."""
-
-    name: str
-    arguments: str
-
-
-class ToolCallOut(msgspec.Struct):
-    """A complete tool call in the non-streaming message."""
-
-    id: str
-    function: FunctionOut
-    type: Literal["function"] = "function"
-
-
-class ResponseMessage(msgspec.Struct):
-    """The assistant message; content is null when the turn is only tool calls."""
-
-    content: str | None
-    role: Literal["assistant"] = "assistant"
-    refusal: None = None
-    tool_calls: list[ToolCallOut] | UnsetType = UNSET
-    reasoning_content: str | UnsetType = UNSET
-    reasoning: str | UnsetType = UNSET
-
-
-class Choice(msgspec.Struct):
-    """The one choice of a non-streaming response."""
-
-    index: int
-    message: ResponseMessage
-    finish_reason: ChatFinishReason
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    """The non-streaming response body."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: CompletionUsage
-    system_fingerprint: None = None
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -273,7 +139,7 @@ def error_from_event(error: Error) -> ServiceError:
     Returns:
         A ``ServiceError`` subclass with the event's message (not raised).
     """
-    return _ERRORS[error.kind](error.message)
+    return service_error(error)
 
 
 class ChatProjector:

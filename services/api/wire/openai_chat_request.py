@@ -8,16 +8,20 @@ so clients get OpenAI's 400 ``invalid_request_error`` body, never FastAPI's 422.
 
 from __future__ import annotations
 
-import re
-
 import msgspec
 
+from services.api.wire.common import (
+    JsonObject,
+    check_range,
+    decode_body,
+    error_location,
+    reasoning_effort,
+)
 from shared.errors import InvalidRequest
 from shared.jobs import (
     GenerateRequest,
     Message,
     ReasoningControl,
-    ReasoningEffort,
     SamplingParams,
     TextPart,
     ToolCall,
@@ -27,20 +31,7 @@ from shared.jobs import (
 
 __all__ = ["ChatOptions", "ChatRequest", "ParsedChat", "parse_chat_request"]
 
-JsonObject = dict[str, object]
-
-# Newer SDKs know efforts the job vocabulary does not; clamp them to the strongest we have.
-_EFFORTS: dict[str, ReasoningEffort] = {
-    "none": "none",
-    "minimal": "minimal",
-    "low": "low",
-    "medium": "medium",
-    "high": "high",
-    "xhigh": "high",
-    "max": "high",
-}
 _TEMPLATE_THINKING_KEYS = ("enable_thinking", "thinking")
-_PATH_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 
 
 class _Part(msgspec.Struct, forbid_unknown_fields=False):
@@ -162,14 +153,7 @@ def parse_chat_request(
         InvalidRequest: the body is not valid JSON, a field has the wrong type or value, or it
             asks for something sluice does not implement (``n > 1``, structured output).
     """
-    try:
-        req = _DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        message = str(exc)
-        match = _PATH_RE.search(message)
-        raise InvalidRequest(message, param=match["path"] if match else None) from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    req = decode_body(_DECODER, body, _invalid)
     _check_unsupported(req)
     include_reasoning = bool(req.include_reasoning) or include_reasoning_header
     kwargs = dict(req.chat_template_kwargs or {})
@@ -198,6 +182,12 @@ def parse_chat_request(
         include_reasoning=include_reasoning,
     )
     return ParsedChat(job=job, options=options)
+
+
+def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
+    # OpenAI's message is msgspec's own, location included; the location is also the param.
+    message = str(exc)
+    return InvalidRequest(message, param=error_location(message)[1])
 
 
 def _check_unsupported(req: ChatRequest) -> None:
@@ -321,18 +311,13 @@ def _tool_choice(raw: str | JsonObject | None, tools: list[ToolDef]) -> ToolChoi
     return ToolChoice(mode="named", name=name)
 
 
-def _check_range(value: float | None, low: float, high: float, param: str) -> None:
-    if value is not None and not low <= value <= high:
-        raise InvalidRequest(f"{param} must be between {low} and {high}", param=param)
-
-
 def _sampling(req: ChatRequest) -> SamplingParams:
-    _check_range(req.temperature, 0.0, 2.0, "temperature")
-    _check_range(req.top_p, 0.0, 1.0, "top_p")
-    _check_range(req.min_p, 0.0, 1.0, "min_p")
-    _check_range(req.presence_penalty, -2.0, 2.0, "presence_penalty")
-    _check_range(req.frequency_penalty, -2.0, 2.0, "frequency_penalty")
-    _check_range(req.top_logprobs, 0, 20, "top_logprobs")
+    check_range(req.temperature, 0.0, 2.0, "temperature")
+    check_range(req.top_p, 0.0, 1.0, "top_p")
+    check_range(req.min_p, 0.0, 1.0, "min_p")
+    check_range(req.presence_penalty, -2.0, 2.0, "presence_penalty")
+    check_range(req.frequency_penalty, -2.0, 2.0, "frequency_penalty")
+    check_range(req.top_logprobs, 0, 20, "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
     if req.repetition_penalty is not None and req.repetition_penalty <= 0:
@@ -375,13 +360,10 @@ def _stop(raw: str | list[str] | None) -> list[str]:
 
 
 def _reasoning(effort: str | None, visible: bool, kwargs: JsonObject) -> ReasoningControl:
-    if effort is not None and effort not in _EFFORTS:
-        raise InvalidRequest(
-            f"reasoning_effort must be one of {', '.join(_EFFORTS)}", param="reasoning_effort"
-        )
+    mapped = reasoning_effort(effort, "reasoning_effort")
     explicit = effort is not None or any(k in kwargs for k in _TEMPLATE_THINKING_KEYS)
     return ReasoningControl(
-        effort=_EFFORTS[effort] if effort is not None else None,
+        effort=mapped,
         visible=visible,
         explicit=explicit,
     )

@@ -1,29 +1,37 @@
 """OpenAI Responses projection: inference events → ``/v1/responses`` SSE frames and objects.
 
 Owns the streaming projector (a small, pure state object: no awaits, no Redis, no clock, no
-random ids) and ``render``, which builds the non-streaming ``Response`` from
-``shared.accumulate.fold`` over the same events, so both paths agree by construction. Item ids
-derive from the response id and the output index, so re-projecting a stored event log reproduces
-the original stream byte for byte (``GET /v1/responses/{id}?stream=true``). Request parsing lives
-in ``openai_responses_request``; the Structs in ``openai_responses_types``.
+random ids). ``render``, which builds the non-streaming ``Response`` from
+``shared.accumulate.fold`` over the same events, and the item builders both paths share live in
+``openai_responses_render`` (re-exported here). Item ids derive from the response id and the
+output index, so re-projecting a stored event log reproduces the original stream byte for byte
+(``GET /v1/responses/{id}?stream=true``). Request parsing lives in ``openai_responses_request``;
+the Structs in ``openai_responses_types``.
 """
 
 from __future__ import annotations
 
-from typing import Literal, assert_never
+from typing import assert_never
 
 import msgspec
 
 from services.api.sse import Frame, json_frame
+from services.api.wire.openai_responses_render import (
+    ItemKind,
+    build_item,
+    error_from_event,
+    final_response,
+    item_id,
+    logprobs_out,
+    render,
+    terminal_status,
+)
 from services.api.wire.openai_responses_types import (
     ContentPartAdded,
     ContentPartDone,
     ErrorEvent,
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
-    FunctionCallItem,
-    IncompleteDetails,
-    InputTokensDetails,
     ItemStatus,
     Logprob,
     MessageItem,
@@ -33,37 +41,22 @@ from services.api.wire.openai_responses_types import (
     OutputText,
     OutputTextDelta,
     OutputTextDone,
-    OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
     ReasoningTextDelta,
     ReasoningTextDone,
     Response,
-    ResponseError,
     ResponseLifecycle,
-    ResponseStatus,
-    ResponseUsage,
     StreamEvent,
-    TopLogprob,
-)
-from shared.accumulate import Completion, ReasoningBlock, TextBlock, ToolCallBlock
-from shared.errors import (
-    ContextOverflow,
-    InvalidRequest,
-    Overloaded,
-    ServiceError,
-    WorkerLost,
 )
 from shared.events import (
     AnyEvent,
     Error,
-    ErrorKind,
     Finish,
     ReasoningDelta,
     ReasoningEnd,
     Start,
     TextDelta,
-    TokenLogprob,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -71,32 +64,6 @@ from shared.events import (
 )
 
 __all__ = ["ResponsesContext", "ResponsesProjector", "error_from_event", "item_id", "render"]
-
-_Kind = Literal["message", "reasoning", "function_call"]
-_PREFIX: dict[_Kind, str] = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
-# Codex and the SDK know these codes; anything else is a retryable server error to them.
-_ERROR_CODES = {"context_overflow": "context_length_exceeded", "invalid_request": "invalid_prompt"}
-
-_HTTP_ERRORS: dict[ErrorKind, type[ServiceError]] = {
-    "invalid_request": InvalidRequest,
-    "context_overflow": ContextOverflow,
-    "overloaded": Overloaded,
-    "worker_lost": WorkerLost,
-    "cancelled": ServiceError,
-    "internal": ServiceError,
-}
-
-
-def error_from_event(error: Error) -> ServiceError:
-    """The HTTP error for a non-streaming request rejected before generation began.
-
-    Args:
-        error: the stream's terminal (and only) event.
-
-    Returns:
-        The ``ServiceError`` to raise (the app renders OpenAI's error body).
-    """
-    return _HTTP_ERRORS[error.kind](error.message)
 
 
 class ResponsesContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,156 +78,10 @@ class ResponsesContext(msgspec.Struct, frozen=True, kw_only=True):
     starting_after: int = -1
 
 
-def item_id(response_id: str, kind: _Kind, output_index: int) -> str:
-    """The deterministic id of an output item.
-
-    Args:
-        response_id: ``resp_...``.
-        kind: the item type.
-        output_index: the item's position in ``output``.
-
-    Returns:
-        e.g. ``msg_<response suffix>_0``.
-    """
-    return f"{_PREFIX[kind]}_{response_id.removeprefix('resp_')}_{output_index}"
-
-
-def _call_id(call_id: str) -> str:
-    # Clients key tool results on call ids of the form call_...; keep ours recognisable.
-    return call_id if call_id.startswith("call_") else f"call_{call_id}"
-
-
-def _logprobs(entries: list[TokenLogprob] | None) -> list[Logprob]:
-    return [
-        Logprob(
-            token=e.token,
-            bytes=e.bytes if e.bytes is not None else list(e.token.encode()),
-            logprob=e.logprob,
-            top_logprobs=[
-                TopLogprob(
-                    token=t.token,
-                    bytes=t.bytes if t.bytes is not None else list(t.token.encode()),
-                    logprob=t.logprob,
-                )
-                for t in e.top
-            ],
-        )
-        for e in entries or []
-    ]
-
-
-def _usage(usage: Usage | None) -> ResponseUsage | None:
-    if usage is None:
-        return None
-    return ResponseUsage(
-        input_tokens=usage.input_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
-        output_tokens=usage.output_tokens,
-        output_tokens_details=OutputTokensDetails(reasoning_tokens=usage.reasoning_tokens),
-        total_tokens=usage.input_tokens + usage.output_tokens,
-    )
-
-
-def _terminal(finish: Finish | None, error: Error | None) -> tuple[ResponseStatus, str]:
-    """The response status and the lifecycle event type that announces it."""
-    if error is not None:
-        return "failed", "response.failed"
-    if finish is None:
-        return "in_progress", "response.in_progress"
-    if finish.reason == "max_tokens":
-        return "incomplete", "response.incomplete"
-    if finish.reason == "cancelled":
-        # The SDK has no response.cancelled event; incomplete is the closest non-success end.
-        return "cancelled", "response.incomplete"
-    return "completed", "response.completed"
-
-
-def _final(
-    skeleton: Response,
-    output: list[OutputItem],
-    usage: Usage | None,
-    finish: Finish | None,
-    error: Error | None,
-) -> Response:
-    status, _ = _terminal(finish, error)
-    incomplete = finish is not None and finish.reason == "max_tokens"
-    return msgspec.structs.replace(
-        skeleton,
-        status=status,
-        output=output,
-        usage=_usage(usage),
-        error=None
-        if error is None
-        else ResponseError(
-            code=_ERROR_CODES.get(error.kind, "server_error"), message=error.message
-        ),
-        incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
-    )
-
-
-def _build_item(
-    kind: _Kind,
-    iid: str,
-    status: ItemStatus,
-    text: str,
-    logprobs: list[Logprob],
-    call: ToolCallStart | None,
-) -> OutputItem:
-    if kind == "message":
-        return MessageItem(
-            id=iid, status=status, content=[OutputText(text=text, logprobs=logprobs)]
-        )
-    if kind == "reasoning":
-        return ReasoningItem(id=iid, status=status, content=[ReasoningText(text=text)])
-    assert call is not None
-    return FunctionCallItem(
-        id=iid, status=status, arguments=text, call_id=_call_id(call.call_id), name=call.name
-    )
-
-
-def render(completion: Completion, skeleton: Response) -> Response:
-    """Build the non-streaming response (also what GET returns) from folded events.
-
-    Args:
-        completion: ``fold(events)``; may be partial (still generating).
-        skeleton: the request echo from ``openai_responses_request.skeleton``.
-
-    Returns:
-        The response; the last item is ``incomplete`` when generation did not end naturally,
-        ``in_progress`` while it has not ended.
-    """
-    status, _ = _terminal(completion.finish, completion.error)
-    output: list[OutputItem] = []
-    for index, block in enumerate(completion.blocks):
-        last = index == len(completion.blocks) - 1
-        item_status: ItemStatus = "completed"
-        if last and status == "in_progress":
-            item_status = "in_progress"
-        elif last and status != "completed":
-            item_status = "incomplete"
-        match block:
-            case TextBlock():
-                iid = item_id(skeleton.id, "message", index)
-                logprobs = _logprobs(block.logprobs)
-                output.append(_build_item("message", iid, item_status, block.text, logprobs, None))
-            case ReasoningBlock():
-                iid = item_id(skeleton.id, "reasoning", index)
-                output.append(_build_item("reasoning", iid, item_status, block.text, [], None))
-            case ToolCallBlock():
-                iid = item_id(skeleton.id, "function_call", index)
-                call = ToolCallStart(index=block.index, call_id=block.call_id, name=block.name)
-                output.append(
-                    _build_item("function_call", iid, item_status, block.arguments, [], call)
-                )
-            case _:
-                assert_never(block)
-    return _final(skeleton, output, completion.usage, completion.finish, completion.error)
-
-
 class _OpenItem:
     """The item being streamed; it stays open until an event of another kind (or the end)."""
 
-    def __init__(self, kind: _Kind, iid: str, index: int, call: ToolCallStart | None) -> None:
+    def __init__(self, kind: ItemKind, iid: str, index: int, call: ToolCallStart | None) -> None:
         self.kind, self.id, self.index, self.call = kind, iid, index, call
         self.text = ""
         self.logprobs: list[Logprob] = []
@@ -322,7 +143,7 @@ class ResponsesProjector:
             case TextDelta():
                 item = self._ensure(out, "message", None)
                 item.text += event.text
-                logprobs = _logprobs(event.logprobs)
+                logprobs = logprobs_out(event.logprobs)
                 item.logprobs.extend(logprobs)
                 out.append(OutputTextDelta(item.id, item.index, 0, event.text, logprobs, self._n()))
             case ReasoningDelta():
@@ -352,7 +173,7 @@ class ResponsesProjector:
             case _:
                 assert_never(event)
 
-    def _stop_accepting(self, kind: _Kind, final_text: str | None) -> None:
+    def _stop_accepting(self, kind: ItemKind, final_text: str | None) -> None:
         """The open item of ``kind`` is complete; the next delta of that kind opens a new one."""
         item = self._open
         if item is not None and item.kind == kind:
@@ -368,7 +189,9 @@ class ResponsesProjector:
     def _lifecycle(self, kind: str, response: Response) -> ResponseLifecycle:
         return ResponseLifecycle(type=kind, response=response, sequence_number=self._n())
 
-    def _ensure(self, out: list[StreamEvent], kind: _Kind, call: ToolCallStart | None) -> _OpenItem:
+    def _ensure(
+        self, out: list[StreamEvent], kind: ItemKind, call: ToolCallStart | None
+    ) -> _OpenItem:
         """Return the open item of ``kind``, closing the current one and opening a new one."""
         item = self._open
         if item is not None and item.kind == kind and item.accepting and call is None:
@@ -378,7 +201,7 @@ class ResponsesProjector:
         item = _OpenItem(kind, item_id(self._ctx.skeleton.id, kind, index), index, call)
         self._open = item
         if kind == "function_call":
-            added = _build_item(kind, item.id, "in_progress", "", [], call)
+            added = build_item(kind, item.id, "in_progress", "", [], call)
         elif kind == "message":
             added = MessageItem(id=item.id, status="in_progress")
         else:
@@ -393,7 +216,7 @@ class ResponsesProjector:
         item, self._open = self._open, None
         if item is None:
             return
-        final = _build_item(item.kind, item.id, status, item.text, item.logprobs, item.call)
+        final = build_item(item.kind, item.id, status, item.text, item.logprobs, item.call)
         n = self._n
         if item.kind == "message":
             part: OutputText | ReasoningText = OutputText(text=item.text, logprobs=item.logprobs)
@@ -413,9 +236,9 @@ class ResponsesProjector:
 
     def _end(self, out: list[StreamEvent], finish: Finish | None, error: Error | None) -> None:
         self._ended = True
-        status, kind = _terminal(finish, error)
+        status, kind = terminal_status(finish, error)
         self._close_item(out, "completed" if status == "completed" else "incomplete")
-        final = _final(self._ctx.skeleton, list(self._items), self._usage, finish, error)
+        final = final_response(self._ctx.skeleton, list(self._items), self._usage, finish, error)
         if error is not None and final.error is not None:
             out.append(ErrorEvent(final.error.code, error.message, None, self._n()))
         out.append(self._lifecycle(kind, final))

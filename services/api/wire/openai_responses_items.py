@@ -9,18 +9,16 @@ Foreign ``encrypted_content`` on reasoning items is accepted and ignored. Pure: 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
 
+from services.api.wire.common import JsonObject, error_location
 from shared.errors import InvalidRequest
 from shared.jobs import Message, TextPart, ToolCall
 
 __all__ = ["JsonObject", "items_to_messages", "validation_error"]
-
-JsonObject = dict[str, object]
 
 
 class _Part(msgspec.Struct, kw_only=True):
@@ -51,9 +49,6 @@ class _ReasoningIn(msgspec.Struct, kw_only=True):
     encrypted_content: str | None = None  # opaque, possibly from another server: ignored
 
 
-_AT = re.compile(r" - at `\$\.?(.*)`$")
-
-
 def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidRequest:
     """Turn msgspec's ``... - at `$.a[0].b``` message into a client message plus ``param``.
 
@@ -64,12 +59,10 @@ def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidR
     Returns:
         The ``InvalidRequest`` to raise.
     """
-    text = str(exc)
-    match = _AT.search(text)
+    message, location = error_location(str(exc))
     # msgspec spells "some dict value" as [...]; the dict itself is the useful param.
-    path = (match.group(1) if match else "").replace("[...]", "")
+    path = (location or "").replace("[...]", "")
     param = f"{prefix}{'.' if prefix and path and not path.startswith('[') else ''}{path}"
-    message = _AT.sub("", text)
     return InvalidRequest(f"{message} (at '{param}')" if param else message, param=param or None)
 
 

@@ -14,11 +14,8 @@ from typing import Literal, cast
 
 import msgspec
 
-from services.api.wire.openai_responses_items import (
-    JsonObject,
-    items_to_messages,
-    validation_error,
-)
+from services.api.wire.common import EFFORTS, JsonObject, reasoning_effort
+from services.api.wire.openai_responses_items import items_to_messages, validation_error
 from services.api.wire.openai_responses_types import (
     FunctionTool,
     ReasoningConfig,
@@ -30,7 +27,6 @@ from shared.jobs import (
     GenerateRequest,
     Message,
     ReasoningControl,
-    ReasoningEffort,
     SamplingParams,
     TextPart,
     ToolChoice,
@@ -46,16 +42,6 @@ __all__ = [
 ]
 
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# Efforts newer SDKs know that the job's vocabulary lacks map onto its strongest level.
-_EFFORTS: dict[str, ReasoningEffort] = {
-    "none": "none",
-    "minimal": "minimal",
-    "low": "low",
-    "medium": "medium",
-    "high": "high",
-    "xhigh": "high",
-    "max": "high",
-}
 
 
 class _Reasoning(msgspec.Struct, kw_only=True):
@@ -159,11 +145,9 @@ def _check_ranges(req: ResponsesRequest) -> None:
             "metadata allows at most 16 pairs, keys up to 64 and values up to 512 characters",
             param="metadata",
         )
-    effort = req.reasoning.effort if req.reasoning is not None else None
-    if effort is not None and effort not in _EFFORTS:
-        raise InvalidRequest(
-            f"reasoning.effort must be one of {', '.join(_EFFORTS)}", param="reasoning.effort"
-        )
+    reasoning_effort(
+        req.reasoning.effort if req.reasoning is not None else None, "reasoning.effort"
+    )
 
 
 def _parse_tools(req: ResponsesRequest) -> list[FunctionTool]:
@@ -320,7 +304,7 @@ def build_job(
         ),
         max_tokens=req.max_output_tokens,
         reasoning=ReasoningControl(
-            effort=_EFFORTS[effort] if effort else None, visible=True, explicit=effort is not None
+            effort=EFFORTS[effort] if effort else None, visible=True, explicit=effort is not None
         ),
         owner=owner,
         created=created,

@@ -11,9 +11,17 @@ releases text up to some offset carries the queued ids that end there or earlier
 have no text, so they ride on the event they open or close. Ids whose text is held back (a
 partial stop string, a matched stop, EOS) ride on ``Finish``.
 
+Answer text is released only up to the end of a whole token's text: text that the stop matcher
+releases ahead of its token waits for it (``_unsent``), and a tool-call event carries every
+token fed so far (the parser's state then depends only on published ids). So what any published
+prefix of the stream shows is exactly what its token ids produce, which makes failover exact.
+
 Everything is a pure function of the token sequence, so a continuation worker rebuilds the
-state by feeding the tokens a lost worker already published and discarding those events: call
-ids (a hash of request id and index), held text and the queued ids come out the same.
+state with ``resume(ids)``: it feeds the tokens a lost worker already published, discards those
+events, and then treats everything fed as published. Text the fresh decoder would still hold
+back (a possible stop-string prefix, text waiting for its token) was already on the stream and
+is dropped; bytes of an incomplete character stay in the detokenizer because they belong to the
+next token's event. Parser state (inside reasoning, inside a call, call indexes and ids) is kept.
 
 Stop sequences apply to answer text only (never to reasoning or tool-call arguments), and tool
 calls are parsed only when the job declares tools, ``tool_choice`` is not ``none`` and the model
@@ -114,6 +122,8 @@ class OutputDecoder:
         self._mode: Mode = "reasoning" if self._router.inside else "text"
         self._stops = StopMatcher(job.stop)
         self._text_base = 0  # _pos where the current stop matcher's text begins
+        self._unsent = ""  # answer text released by the stop matcher, waiting for its token
+        self._taken_upto = 0  # text end offset of the last token put on an event
         self._answer_started = False  # visible non-space text emitted (llama3 JSON detection)
         self._lead = ""  # held leading answer text while it may still open a llama3 JSON call
         self._parser: CallParser | None = None
@@ -169,6 +179,22 @@ class OutputDecoder:
             return None
         return self._router.forced_close()
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Rebuild the state after ``token_ids``, which a lost worker already published.
+
+        Feeds them (their events are discarded), then marks everything they produced as
+        published: held stop-prefix text and text waiting for its token are dropped without
+        being emitted, and the queued ids are forgotten (they rode on published events).
+        Incomplete UTF-8 bytes stay in the detokenizer: their character belongs to a later token.
+        """
+        for token_id in token_ids:
+            self.feed(token_id)
+        self._queue = []
+        self._finish_ids = []
+        self._unsent = ""
+        if self._mode == "text":
+            self._stops.released = len(self._stops.text)
+
     def finish(self, reason: FinishReason) -> list[AnyEvent]:
         """Flush held text, close open blocks, then ``Usage`` and ``Finish``."""
         out = self._route(self._flush())
@@ -178,6 +204,9 @@ class OutputDecoder:
             out += self._finish_calls()
         else:
             out += self._end_text()
+        if self._unsent:  # text before a stop string that shares a token with it: ids on Finish
+            out.append(TextDelta(text=self._unsent))
+            self._unsent = ""
         if reason == "end_turn" and self.calls_completed and not self._call_open:
             reason = "tool_use"
         out.append(
@@ -214,7 +243,18 @@ class OutputDecoder:
         while n < len(self._queue) and self._queue[n][2] <= upto:
             n += 1
         taken, self._queue = self._queue[:n], self._queue[n:]
+        if taken:
+            self._taken_upto = max(self._taken_upto, taken[-1][2])
         return [i for i, _, _ in taken], [lp for _, lp, _ in taken if lp is not None]
+
+    def _token_boundary(self, upto: int) -> int | None:
+        """The largest text end offset of a queued token that is at or before ``upto``."""
+        best: int | None = None
+        for _, _, end in self._queue:
+            if end > upto:
+                break
+            best = end
+        return best
 
     def _switch(self, mode: Mode) -> None:
         self._mode = mode
@@ -269,12 +309,21 @@ class OutputDecoder:
         if self._stops.matched is not None and self.stop_reason is None:
             self.stop_reason = "stop_sequence"
             self.stop_sequence = self._stops.matched
-        if not released:
-            return []
         if released.strip():
             self._answer_started = True
-        ids, logprobs = self._take(self._text_base + self._stops.released)
-        return [TextDelta(text=released, token_ids=ids, logprobs=logprobs or None)]
+        self._unsent += released
+        if not self._unsent:
+            return []
+        end = self._text_base + self._stops.released  # absolute end of the released text
+        begin = end - len(self._unsent)
+        # Up to a queued token's end, or text whose tokens already rode on an earlier event
+        # (a tool call's closing token that also holds the start of trailing prose).
+        cut = max(self._token_boundary(end) or 0, min(end, self._taken_upto))
+        if cut <= begin:
+            return []  # no token's text is complete yet: it rides on a later delta
+        text, self._unsent = self._unsent[: cut - begin], self._unsent[cut - begin :]
+        ids, logprobs = self._take(cut)
+        return [TextDelta(text=text, token_ids=ids, logprobs=logprobs or None)]
 
     def _end_text(self) -> list[AnyEvent]:
         """Release everything the text channel holds (a marker or the end interrupts it)."""
@@ -303,7 +352,7 @@ class OutputDecoder:
         index = self.calls_completed
         for action in actions:
             if isinstance(action, Started):
-                ids = self._take(self._call_base + action.at)[0]
+                ids = self._take(self._pos)[0]
                 rid = self.job.request_id
                 out.append(
                     ToolCallStart(
@@ -312,13 +361,13 @@ class OutputDecoder:
                 )
                 self._call_open = True
             elif isinstance(action, Fragment):
-                ids = self._take(self._call_base + action.at)[0]
+                ids = self._take(self._pos)[0]
                 out.append(ToolCallArgsDelta(index=index, fragment=action.text, token_ids=ids))
             elif isinstance(action, Completed):
                 if self._tools is not None and self._tools.style == "hermes":
                     self._await_marker = action  # the close marker rides on the End
                 else:
-                    out += self._end_call(action, self._call_base + action.at)
+                    out += self._end_call(action, self._pos)
                     index = self.calls_completed
             elif isinstance(action, Trailing) and self._await_marker is not None:
                 continue  # junk before </tool_call>: its tokens ride on the End

@@ -1,0 +1,519 @@
+"""Engine vs llama.cpp, and the whole stack vs the engine, measured in one run on one machine.
+
+Ours: the real ``TorchBackend`` on the default model (``--dtypes``, default the worker's ``auto``
+= int4 blocks + int8 head, and fp32). llama.cpp: llama-cpp-python's low-level batched decode API
+on the same GGUF, run in a subprocess with a throwaway venv's python (``--llama-python``) so the
+project venv needs no llama_cpp: ``n_threads=n_threads_batch=--threads``, n_batch=n_ubatch=512,
+one seq_id per sequence, non-unified KV, flash-attn off (handbook smollm2-gguf.md §4-5). Both
+get the same prompt token ids (rendered with sluice's renderer, ~200 tokens, ragged variants for
+batches), greedy, ``--tokens`` generated with EOS ignored.
+
+Metrics: prefill tok/s of one prompt; decode tok/s for 1 stream and aggregate for 4/8/16 streams
+= tokens produced after every stream of the batch has started, over that span (ours prefills
+one sequence per step between decode steps, so earlier streams' tokens are not counted). Each
+repeat records the 1-minute load average and the CPU that *other* processes used (from
+/proc/stat minus our own processes); repeats where others took more than ``--max-others`` cores
+are flagged and left out of the medians when at least one clean repeat exists.
+
+The whole stack: a private redis-server, ``sluice api`` and ``sluice worker`` (threads
+``--stack-threads``) on the same cores; one streaming ``/v1/chat/completions`` client, decode
+tok/s seen by it vs the engine alone (same dtype, measured in this run).
+
+    .venv/bin/python ops/bench/vs_llamacpp.py --llama-python /tmp/llamavenv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+TICK = os.sysconf("SC_CLK_TCK")
+TEXT = (
+    "Describe in detail how a small river town changes over one year, covering the weather, "
+    "the people who work on the water, the markets, the festivals, the schools and the old "
+    "bridge that everyone crosses each morning. "
+)
+
+
+def emit(row: dict[str, Any]) -> None:
+    """Print one measurement as a JSON line."""
+    print(json.dumps(row), flush=True)
+
+
+# --- machine load ---------------------------------------------------------------------------
+
+
+def _busy_s() -> float:
+    """CPU seconds all processes spent running (user, nice, system, irq, softirq)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / TICK
+
+
+def _pid_cpu_s(pid: int) -> float:
+    """CPU seconds of one process (all threads), 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name may hold spaces: fields after its closing parenthesis.
+            rest = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(rest[11]) + int(rest[12])) / TICK
+
+
+@contextmanager
+def load_probe(pids: list[int], out: dict[str, Any]) -> Iterator[None]:
+    """Record into ``out`` the load average and other processes' CPU cores around a block.
+
+    ``pids`` are our processes (this one is always included): their CPU is subtracted from the
+    machine's busy time, what remains is the neighbours'.
+    """
+    ours = [os.getpid(), *pids]
+    load0, busy0, wall0 = os.getloadavg()[0], _busy_s(), time.perf_counter()
+    own0 = sum(_pid_cpu_s(p) for p in ours)
+    yield
+    wall = time.perf_counter() - wall0
+    own = sum(_pid_cpu_s(p) for p in ours) - own0
+    out["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    out["own_cores"] = round(own / wall, 2)
+    out["others_cores"] = round(max(0.0, _busy_s() - busy0 - own) / wall, 2)
+
+
+def decode_rate(runs: list[list[tuple[float, int]]]) -> tuple[float, int, float]:
+    """Aggregate decode rate of concurrent streams from per-stream (time, tokens) records.
+
+    Returns (tok/s, tokens counted, span): tokens produced strictly after the last stream's
+    first token, over the time from then to the last token of any stream.
+    """
+    t0 = max(r[0][0] for r in runs)
+    t1 = max(r[-1][0] for r in runs)
+    n = sum(k for r in runs for t, k in r if t > t0)
+    return n / (t1 - t0), n, t1 - t0
+
+
+# --- llama.cpp (child process, throwaway venv) ------------------------------------------------
+
+
+def llama_child(spec: dict[str, Any]) -> None:
+    """Run every llama.cpp measurement described by ``spec``; print JSON lines."""
+    import ctypes
+
+    import llama_cpp as L  # the throwaway venv only (mypy config ignores missing imports)
+    import numpy as np
+
+    L.llama_backend_init()
+    mparams = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(spec["gguf"].encode(), mparams)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    prompts: list[list[int]] = spec["prompts"]
+    threads, tokens = spec["threads"], spec["tokens"]
+
+    def context(n_seq: int) -> Any:
+        p = L.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = 512 * n_seq, 512, 512, n_seq
+        p.n_threads = p.n_threads_batch = threads
+        p.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED: "auto" is slower on this CPU
+        p.kv_unified = False
+        p.no_perf = True
+        return L.llama_init_from_model(model, p)
+
+    batch = L.llama_batch_init(512, 0, 16)
+
+    def decode(ctx: Any, items: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, pos, seq, want_logits) items."""
+        batch.n_tokens = len(items)
+        for i, (tok, pos, seq, want) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, want
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(ctx: Any, i: int) -> int:
+        ptr = L.llama_get_logits_ith(ctx, i)
+        arr = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (n_vocab,))
+        return int(arr.argmax())
+
+    def prefill(ctx: Any, seq: int) -> int:
+        ids = prompts[seq]
+        decode(ctx, [(t, p, seq, p == len(ids) - 1) for p, t in enumerate(ids)])
+        return argmax(ctx, len(ids) - 1)
+
+    for rep in range(spec["repeats"]):
+        ctx = context(1)
+        row: dict[str, Any] = {"engine": "llama.cpp", "metric": "prefill", "repeat": rep}
+        with load_probe([], row):
+            t0 = time.perf_counter()
+            prefill(ctx, 0)
+            row["seconds"] = time.perf_counter() - t0
+        row["prompt_tokens"] = len(prompts[0])
+        row["value"] = len(prompts[0]) / row["seconds"]
+        emit(row)
+        L.llama_free(ctx)
+    for b in spec["batches"]:
+        ctx = context(b)
+        mem = L.llama_get_memory(ctx)
+        for rep in range(spec["repeats"]):
+            L.llama_memory_clear(mem, True)
+            row = {"engine": "llama.cpp", "metric": "decode", "batch": b, "repeat": rep}
+            with load_probe([], row):
+                # Like llama-server: each sequence prefilled into its own slot, then one forward
+                # per step for all of them.
+                last = [prefill(ctx, s) for s in range(b)]
+                out = [[t] for t in last]
+                t0 = time.perf_counter()
+                for step in range(tokens - 1):
+                    decode(ctx, [(last[s], len(prompts[s]) + step, s, True) for s in range(b)])
+                    last = [argmax(ctx, s) for s in range(b)]
+                    for s in range(b):
+                        out[s].append(last[s])
+                span = time.perf_counter() - t0
+            row.update(value=b * (tokens - 1) / span, seconds=span, first16=out[0][:16])
+            emit(row)
+        L.llama_free(ctx)
+    L.llama_batch_free(batch)
+    L.llama_model_free(model)
+
+
+def run_llama(
+    args: argparse.Namespace, gguf: str, prompts: list[list[int]]
+) -> list[dict[str, Any]]:
+    """Run the llama.cpp side in a subprocess with ``--llama-python``; return its rows."""
+    spec = {
+        "gguf": gguf,
+        "prompts": prompts,
+        "threads": args.threads,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "batches": args.batches,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    proc = subprocess.run(
+        [args.llama_python, __file__, "--llama-child", f.name],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    os.unlink(f.name)
+    if proc.returncode != 0:
+        sys.exit(f"llama.cpp child failed:\n{proc.stderr[-4000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for row in rows:
+        emit(row)
+    return rows
+
+
+# --- ours (this process) ----------------------------------------------------------------------
+
+
+def render_prompts(n: int) -> tuple[str, list[list[int]]]:
+    """The GGUF path and ``n`` ragged ~200-token prompts rendered by sluice's renderer."""
+    from services.worker.loaders import default_model_path, load_model
+    from shared.prompt import PromptRenderer
+
+    loaded = load_model("smollm2", name=None, device="cpu", dtype="float32")
+    renderer = PromptRenderer(loaded.card, loaded.tokenizer)
+    prompts = [list(renderer.render(job(i, 1, None)).token_ids) for i in range(n)]
+    return str(default_model_path()), prompts
+
+
+def prompt_text(i: int) -> str:
+    """User message ``i``: ~200 tokens once rendered; the tail varies so batches are ragged."""
+    return f"Story {i}: " + TEXT * 4 + "Thank you! " * (i % 5)
+
+
+def job(i: int, tokens: int, ids: list[int] | None) -> Any:
+    """A greedy, EOS-ignoring chat job; ``i`` varies the text so prompts are ragged."""
+    from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
+
+    return GenerateRequest(
+        request_id=f"vs-{i}-{time.monotonic_ns()}",
+        model="smollm2",
+        messages=[Message(role="user", content=[TextPart(text=prompt_text(i))])],
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=tokens,
+        ignore_eos=True,
+        prompt_token_ids=ids,
+    )
+
+
+async def _timed(backend: Any, j: Any) -> list[tuple[float, int]]:
+    """Run one job; per event batch (time, tokens); the first record is the Start event."""
+    from shared.events import Start
+
+    out: list[tuple[float, int]] = []
+    async for events in backend.generate(j, [], 1):
+        now = time.perf_counter()
+        n = sum(len(getattr(e, "token_ids", ())) for e in events)
+        if not out and any(isinstance(e, Start) for e in events):
+            out.append((now, 0))
+        if n:
+            out.append((now, n))
+    return out
+
+
+def run_ours(
+    args: argparse.Namespace, dtype: str, threads: int, prompts: list[list[int]], batches: list[int]
+) -> list[dict[str, Any]]:
+    """Prefill and decode measurements of our engine with ``dtype`` and ``threads``."""
+    import asyncio
+
+    import torch
+
+    from services.worker.engine import load_backend
+    from shared.config import Settings
+
+    torch.set_num_threads(threads)
+    backend = load_backend(
+        Settings(threads=threads, max_batch=max(batches), dtype=dtype), "smollm2", None
+    )
+    rows: list[dict[str, Any]] = []
+    tag = {"engine": "ours", "dtype": dtype, "threads": threads}
+
+    def fresh() -> None:
+        # Forget cached prefixes so each measurement prefills its whole prompt.
+        backend.scheduler.cache.tokens = [[] for _ in range(backend.max_batch)]
+
+    async def go() -> None:
+        await backend.start()
+        try:
+            await _timed(backend, job(0, 4, prompts[0]))  # warm-up
+            for rep in range(args.repeats if 1 in batches and args.prefill else 0):
+                fresh()
+                row: dict[str, Any] = {**tag, "metric": "prefill", "repeat": rep}
+                with load_probe([], row):
+                    t0 = time.perf_counter()
+                    rec = await _timed(backend, job(0, 1, prompts[0]))
+                row.update(seconds=rec[0][0] - t0, prompt_tokens=len(prompts[0]))
+                row["value"] = len(prompts[0]) / row["seconds"]
+                emit(row)
+                rows.append(row)
+            for b in batches:
+                for rep in range(args.repeats):
+                    fresh()
+                    row = {**tag, "metric": "decode", "batch": b, "repeat": rep}
+                    with load_probe([], row):
+                        runs = await asyncio.gather(
+                            *(_timed(backend, job(s, args.tokens, prompts[s])) for s in range(b))
+                        )
+                    row["value"], row["tokens_counted"], row["seconds"] = decode_rate(runs)
+                    emit(row)
+                    rows.append(row)
+        finally:
+            await backend.stop()
+
+    asyncio.run(go())
+    return rows
+
+
+# --- the whole stack --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(check: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # not up yet: connection refused, 503, ...
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{what} did not come up in {seconds:.0f} s")
+
+
+def run_stack(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
+    """Private redis-server + ``sluice api`` + ``sluice worker``; one streaming chat client."""
+    import httpx
+
+    rport, aport = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "SLUICE_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
+        "SLUICE_PORT": str(aport),
+        "SLUICE_HOST": "127.0.0.1",
+        "SLUICE_THREADS": str(threads),
+        "SLUICE_DTYPE": args.stack_dtype,
+    }
+    sluice = str(Path(sys.executable).with_name("sluice"))
+    procs = [
+        subprocess.Popen(
+            ["redis-server", "--port", str(rport), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        ),
+    ]
+    rows: list[dict[str, Any]] = []
+    base = f"http://127.0.0.1:{aport}"
+    quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    try:
+        time.sleep(0.5)
+        procs.append(subprocess.Popen([sluice, "worker"], env=env, **quiet))
+        procs.append(subprocess.Popen([sluice, "api"], env=env, **quiet))
+        with httpx.Client(timeout=60) as client:
+            _wait(lambda: "smollm2" in client.get(f"{base}/v1/models").text, 120, "sluice worker")
+            body = {
+                "model": "smollm2",
+                # The same text as the engine's prompt 0: the API renders the same ids.
+                "messages": [{"role": "user", "content": prompt_text(0)}],
+                "max_tokens": args.tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            for rep in range(args.repeats + 1):  # the first is a warm-up
+                row: dict[str, Any] = {
+                    "engine": "stack",
+                    "dtype": args.stack_dtype,
+                    "threads": threads,
+                    "metric": "decode",
+                    "batch": 1,
+                    "repeat": rep - 1,
+                }
+                times: list[float] = []
+                usage: dict[str, Any] = {}
+                url = f"{base}/v1/chat/completions"
+                with (
+                    load_probe([p.pid for p in procs], row),
+                    client.stream("POST", url, json=body) as r,
+                ):
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                        for c in chunk.get("choices", []):
+                            if c.get("delta", {}).get("content"):
+                                times.append(time.perf_counter())
+                n = int(usage.get("completion_tokens", 0))
+                row.update(
+                    value=(n - 1) / (times[-1] - times[0]),
+                    completion_tokens=n,
+                    prompt_tokens=usage.get("prompt_tokens"),
+                    content_chunks=len(times),
+                )
+                if rep:
+                    emit(row)
+                    rows.append(row)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return rows
+
+
+# --- summary ----------------------------------------------------------------------------------
+
+
+def median(rows: list[dict[str, Any]], max_others: float, **match: Any) -> tuple[float, str]:
+    """Median value of the matching rows (clean repeats only when any are clean) and a note."""
+    hits = [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+    if not hits:
+        return float("nan"), "none"
+    clean = [r for r in hits if r["others_cores"] <= max_others]
+    use = clean or hits
+    note = f"{len(clean)}/{len(hits)} clean" + ("" if clean else " (FLAGGED: noisy)")
+    return statistics.median(r["value"] for r in use), note
+
+
+def summarize(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Print a Markdown table of medians and ratios against issue 3's targets."""
+    mo = args.max_others
+    targets = {1: 0.75, 4: 1.0, 8: 1.0, 16: 1.5}
+    print("\n| metric | llama.cpp | " + " | ".join(f"ours {d}" for d in args.dtypes), end="")
+    print(" | " + " | ".join(f"ratio {d}" for d in args.dtypes) + " | target |")
+    print("|---" * (3 + 2 * len(args.dtypes)) + "|")
+    specs: list[tuple[str, dict[str, Any], float]] = [("prefill tok/s", {"metric": "prefill"}, 2.0)]
+    specs += [
+        (f"decode B={b} tok/s", {"metric": "decode", "batch": b}, targets.get(b, 1.0))
+        for b in args.batches
+    ]
+    for name, m, target in specs:
+        ref, rnote = median(rows, mo, engine="llama.cpp", **m)
+        vals = [
+            median(rows, mo, engine="ours", dtype=d, threads=args.threads, **m) for d in args.dtypes
+        ]
+        cells = [f"{v:.1f} ({n})" for v, n in vals]
+        ratios = [f"{v / ref:.2f}x {'met' if v / ref >= target else 'MISSED'}" for v, _ in vals]
+        print(f"| {name} | {ref:.1f} ({rnote}) | " + " | ".join(cells + ratios), end="")
+        print(f" | {target}x |")
+    for t in args.stack_threads:
+        stack, snote = median(rows, mo, engine="stack", threads=t)
+        for et in sorted({t, args.threads}):
+            alone, anote = median(
+                rows,
+                mo,
+                engine="ours",
+                dtype=args.stack_dtype,
+                threads=et,
+                metric="decode",
+                batch=1,
+            )
+            ok = "met" if stack / alone >= 0.9 else "MISSED"
+            print(
+                f"\nwhole stack, worker {t} thread(s): {stack:.1f} tok/s ({snote}) vs engine "
+                f"alone {args.stack_dtype} {et} thread(s) {alone:.1f} ({anote}): "
+                f"{stack / alone:.2f}x (target 0.9x, {ok})"
+            )
+
+
+def main() -> None:
+    """Parse arguments, run every measurement, print rows and the summary."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-python", default="/tmp/llamavenv/bin/python")
+    p.add_argument("--llama-child", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--dtypes", nargs="+", default=["auto", "float32"])
+    p.add_argument("--stack-threads", type=int, nargs="*", default=[1, 2])
+    p.add_argument("--stack-dtype", default="auto")
+    p.add_argument("--max-others", type=float, default=0.2, help="flag repeats above (cores)")
+    p.add_argument("--skip-llama", action="store_true")
+    args = p.parse_args()
+    if args.llama_child:
+        llama_child(json.loads(Path(args.llama_child).read_text()))
+        return
+    args.prefill = True
+    emit({"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "args": vars(args)}})
+    gguf, prompts = render_prompts(max(args.batches))
+    emit({"prompt_tokens": [len(x) for x in prompts]})
+    rows: list[dict[str, Any]] = []
+    if not args.skip_llama:
+        rows += run_llama(args, gguf, prompts)
+    for d in args.dtypes:
+        rows += run_ours(args, d, args.threads, prompts, args.batches)
+    args.prefill = False
+    for t in args.stack_threads:
+        if t != args.threads:
+            rows += run_ours(args, args.stack_dtype, t, prompts, [1])
+        rows += run_stack(args, t)
+    summarize(args, rows)
+
+
+if __name__ == "__main__":
+    main()

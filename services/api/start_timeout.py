@@ -1,0 +1,131 @@
+"""The API-side start timeout: end a request no worker started within ``start_timeout_s``.
+
+A crashed or absent worker leaves a queued job untouched for as long as arq's keys live (arq
+#343, #407), so a client would wait on a silent stream forever. The streaming pipeline therefore
+bounds the wait for a request's first event and then calls ``claim_unstarted``.
+
+Ending the request must never race a worker that picks it up at the same moment into a second
+terminal event or a ``Start`` after the ``Error``. The claim is one Lua script over the
+request's own keys: if the stream holds any event, a worker started it (nothing to do); else it
+takes the request lease with ``SET NX`` (the lease the worker's ``ACQUIRE`` and fenced
+``PUBLISH`` scripts check) and appends ``Error(overloaded, retryable)``. A worker that already
+holds the lease makes the ``SET NX`` fail, so the API backs off; a worker that comes later finds
+the lease taken (``ACQUIRE`` refuses it) or the terminal event in the history it reads first,
+and does nothing. Only after a successful claim is the arq job removed from the queue and the
+request dropped from the in-flight set (best effort: the lease already fences any worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from arq.constants import job_key_prefix
+
+from shared import keys
+from shared.codec import SCHEMA_VERSION, encode_event
+from shared.config import Settings
+from shared.events import Error
+
+__all__ = ["API_TIMEOUT_OWNER", "Claim", "claim_unstarted", "start_deadline"]
+
+logger = logging.getLogger(__name__)
+
+API_TIMEOUT_OWNER = "api-timeout"  # the lease value: not a worker id, never "recovering:"
+
+# KEYS: events, lease. ARGV: owner, lease_ttl_ms, maxlen, retention_s, version, body.
+# Returns 0 when the stream already has an event, -1 when someone holds the lease, 1 when the
+# Error was appended under our lease. All keys share the {rid} hash tag (Cluster-safe).
+_CLAIM = """
+if redis.call('XLEN', KEYS[1]) > 0 then
+  return 0
+end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return -1
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'v', ARGV[5], 'e', ARGV[6])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+
+class Claim:
+    """What ``claim_unstarted`` found (plain int constants: the script's return values)."""
+
+    STARTED = 0  # the stream has events: a worker started it
+    HELD = -1  # a worker (or a recovery claim) holds the lease: it is about to start
+    TIMED_OUT = 1  # the Error is on the stream; the request is over
+
+
+async def start_deadline(redis: aioredis.Redis, rid: str, settings: Settings) -> float:
+    """The ``time.monotonic()`` by which a request's first event must have arrived.
+
+    Measured from the request's ``created`` time in its hash, so a client that reconnects does
+    not restart the clock; a request without one counts from now.
+
+    Args:
+        redis: the command client.
+        rid: the request id.
+        settings: the process settings (``start_timeout_s``).
+
+    Returns:
+        The deadline on the monotonic clock.
+    """
+    raw = await redis.hget(keys.request(rid), "created")  # type: ignore[misc]
+    now = time.monotonic()
+    try:
+        age = max(0.0, time.time() - float(raw)) if raw is not None else 0.0
+    except ValueError:
+        age = 0.0
+    return now + settings.start_timeout_s - age
+
+
+async def claim_unstarted(redis: aioredis.Redis, rid: str, settings: Settings) -> int:
+    """End a request that no worker has started with ``Error(overloaded, retryable=True)``.
+
+    Args:
+        redis: the command client.
+        rid: the request id.
+        settings: the process settings (lease TTL, stream cap, retention).
+
+    Returns:
+        A ``Claim`` value: ``TIMED_OUT`` when this call wrote the Error (the event reaches every
+        subscriber through the stream like any other), ``STARTED`` or ``HELD`` when a worker got
+        there first.
+    """
+    error = Error(
+        kind="overloaded",
+        message=f"no worker started this request within {settings.start_timeout_s:g}s",
+        retryable=True,
+    )
+    # The lease outlives the stream's readers: a worker that read an empty history just before
+    # the claim must still find the lease taken when its ACQUIRE runs.
+    args: list[Any] = [
+        API_TIMEOUT_OWNER,
+        int(settings.retention_s * 1000),
+        settings.stream_maxlen,
+        settings.retention_s,
+        SCHEMA_VERSION,
+        encode_event(error),
+    ]
+    untyped: Any = redis  # redis-py's stubs type every EVAL argument as str
+    result = int(await untyped.eval(_CLAIM, 2, keys.events(rid), keys.lease(rid), *args))
+    if result == Claim.TIMED_OUT:
+        logger.warning("%s: no worker started it within %gs", rid, settings.start_timeout_s)
+        await _dequeue(redis, rid)
+    return result
+
+
+async def _dequeue(redis: aioredis.Redis, rid: str) -> None:
+    try:
+        model = await redis.hget(keys.request(rid), "model")  # type: ignore[misc]
+        async with redis.pipeline(transaction=False) as pipe:
+            if model is not None:
+                pipe.zrem(keys.queue(model.decode()), rid)
+                pipe.zrem(keys.inflight(model.decode()), rid)
+            pipe.delete(f"{job_key_prefix}{rid}")
+            await pipe.execute()
+    except Exception:  # boundary: the lease already fences any worker; this is tidying up
+        logger.exception("%s: could not remove the timed-out job", rid)

@@ -1,0 +1,176 @@
+"""OpenAI Chat Completions response Structs: the ``chat.completion`` body and its chunks.
+
+Owns the outbound wire shapes only (wire-formats.md §2.5, §8.1); ``openai_chat`` fills them from
+events. Unset fields are omitted on encode, because the SDK concatenates every string field of a
+delta it receives.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+__all__ = [
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatFinishReason",
+    "Choice",
+    "ChoiceLogprobs",
+    "ChunkChoice",
+    "CompletionTokensDetails",
+    "CompletionUsage",
+    "Delta",
+    "FunctionDelta",
+    "FunctionOut",
+    "LogprobOut",
+    "PromptTokensDetails",
+    "ReasoningField",
+    "ResponseMessage",
+    "ToolCallDelta",
+    "ToolCallOut",
+    "TopLogprobOut",
+]
+
+ReasoningField = Literal["reasoning_content", "reasoning", "both"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class PromptTokensDetails(msgspec.Struct):
+    """``usage.prompt_tokens_details``: cached prompt tokens (a subset of prompt_tokens)."""
+
+    cached_tokens: int
+
+
+class CompletionTokensDetails(msgspec.Struct):
+    """``usage.completion_tokens_details``: reasoning tokens (a subset of completion_tokens)."""
+
+    reasoning_tokens: int
+
+
+class CompletionUsage(msgspec.Struct):
+    """Token accounting, in the non-streaming body and the final ``choices: []`` chunk."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+class TopLogprobOut(msgspec.Struct):
+    """One alternative in ``top_logprobs``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class LogprobOut(msgspec.Struct):
+    """Log-probability of one sampled token."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    """``choices[].logprobs``; the SDK concatenates ``content`` across chunks."""
+
+    content: list[LogprobOut] | None
+    refusal: None = None
+
+
+class FunctionDelta(msgspec.Struct):
+    """``tool_calls[].function`` in a delta: ``name`` only in the call's first delta."""
+
+    name: str | UnsetType = UNSET
+    arguments: str = ""
+
+
+class ToolCallDelta(msgspec.Struct):
+    """A tool-call delta: ``id`` and ``type`` only in the call's first delta."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: FunctionDelta = msgspec.field(default_factory=FunctionDelta)
+
+
+class Delta(msgspec.Struct):
+    """``choices[].delta``; unset fields are omitted, since the SDK concatenates strings."""
+
+    role: Literal["assistant"] | UnsetType = UNSET
+    content: str | UnsetType | None = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+
+
+class ChunkChoice(msgspec.Struct):
+    """The one choice of a chunk (``n`` is always 1)."""
+
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: ChatFinishReason | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One streamed chunk; ``usage`` is omitted unless the client asked for usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: CompletionUsage | UnsetType | None = UNSET
+
+
+class FunctionOut(msgspec.Struct):
+    """A complete tool call's function: name and JSON arguments as text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    """A complete tool call in the non-streaming message."""
+
+    id: str
+    function: FunctionOut
+    type: Literal["function"] = "function"
+
+
+class ResponseMessage(msgspec.Struct):
+    """The assistant message; content is null when the turn is only tool calls."""
+
+    content: str | None
+    role: Literal["assistant"] = "assistant"
+    refusal: None = None
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
+
+
+class Choice(msgspec.Struct):
+    """The one choice of a non-streaming response."""
+
+    index: int
+    message: ResponseMessage
+    finish_reason: ChatFinishReason
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """The non-streaming response body."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: CompletionUsage
+    system_fingerprint: None = None

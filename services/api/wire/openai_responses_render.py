@@ -1,0 +1,251 @@
+"""OpenAI Responses rendering: the ``Response`` object and its output items from events.
+
+Owns what the streaming projector and the non-streaming path share: deterministic item ids,
+building output items, the terminal status, usage and error mapping, and ``render``, which
+builds the non-streaming ``Response`` from ``shared.accumulate.fold`` over the same events, so
+both paths agree by construction. Pure: no I/O, no clock, no random ids.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, assert_never
+
+import msgspec
+
+from services.api.wire.common import service_error
+from services.api.wire.openai_responses_types import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    ItemStatus,
+    Logprob,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    Response,
+    ResponseError,
+    ResponseStatus,
+    ResponseUsage,
+    TopLogprob,
+)
+from shared.accumulate import Completion, ReasoningBlock, TextBlock, ToolCallBlock
+from shared.errors import ServiceError
+from shared.events import Error, Finish, TokenLogprob, ToolCallStart, Usage
+
+__all__ = [
+    "ItemKind",
+    "build_item",
+    "error_from_event",
+    "final_response",
+    "item_id",
+    "logprobs_out",
+    "render",
+    "terminal_status",
+]
+
+ItemKind = Literal["message", "reasoning", "function_call"]
+_PREFIX: dict[ItemKind, str] = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
+# Codex and the SDK know these codes; anything else is a retryable server error to them.
+_ERROR_CODES = {"context_overflow": "context_length_exceeded", "invalid_request": "invalid_prompt"}
+
+
+def error_from_event(error: Error) -> ServiceError:
+    """The HTTP error for a non-streaming request rejected before generation began.
+
+    Args:
+        error: the stream's terminal (and only) event.
+
+    Returns:
+        The ``ServiceError`` to raise (the app renders OpenAI's error body).
+    """
+    return service_error(error)
+
+
+def item_id(response_id: str, kind: ItemKind, output_index: int) -> str:
+    """The deterministic id of an output item.
+
+    Args:
+        response_id: ``resp_...``.
+        kind: the item type.
+        output_index: the item's position in ``output``.
+
+    Returns:
+        e.g. ``msg_<response suffix>_0``.
+    """
+    return f"{_PREFIX[kind]}_{response_id.removeprefix('resp_')}_{output_index}"
+
+
+def _call_id(call_id: str) -> str:
+    # Clients key tool results on call ids of the form call_...; keep ours recognisable.
+    return call_id if call_id.startswith("call_") else f"call_{call_id}"
+
+
+def logprobs_out(entries: list[TokenLogprob] | None) -> list[Logprob]:
+    """Token logprobs in the Responses shape (``bytes`` filled in when the event lacks them).
+
+    Args:
+        entries: the event's logprobs, if any.
+
+    Returns:
+        One ``Logprob`` per token.
+    """
+    return [
+        Logprob(
+            token=e.token,
+            bytes=e.bytes if e.bytes is not None else list(e.token.encode()),
+            logprob=e.logprob,
+            top_logprobs=[
+                TopLogprob(
+                    token=t.token,
+                    bytes=t.bytes if t.bytes is not None else list(t.token.encode()),
+                    logprob=t.logprob,
+                )
+                for t in e.top
+            ],
+        )
+        for e in entries or []
+    ]
+
+
+def _usage(usage: Usage | None) -> ResponseUsage | None:
+    if usage is None:
+        return None
+    return ResponseUsage(
+        input_tokens=usage.input_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
+        output_tokens=usage.output_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=usage.reasoning_tokens),
+        total_tokens=usage.input_tokens + usage.output_tokens,
+    )
+
+
+def terminal_status(finish: Finish | None, error: Error | None) -> tuple[ResponseStatus, str]:
+    """The response status and the lifecycle event type that announces it.
+
+    Args:
+        finish: the stream's ``Finish``, if it ended normally.
+        error: the stream's ``Error``, if it failed.
+
+    Returns:
+        ``(status, lifecycle event type)``; ``in_progress`` while neither has arrived.
+    """
+    if error is not None:
+        return "failed", "response.failed"
+    if finish is None:
+        return "in_progress", "response.in_progress"
+    if finish.reason == "max_tokens":
+        return "incomplete", "response.incomplete"
+    if finish.reason == "cancelled":
+        # The SDK has no response.cancelled event; incomplete is the closest non-success end.
+        return "cancelled", "response.incomplete"
+    return "completed", "response.completed"
+
+
+def final_response(
+    skeleton: Response,
+    output: list[OutputItem],
+    usage: Usage | None,
+    finish: Finish | None,
+    error: Error | None,
+) -> Response:
+    """The skeleton completed with its output, usage, status and error.
+
+    Args:
+        skeleton: the request echo.
+        output: the finished items.
+        usage: the stream's ``Usage``, if any.
+        finish: the stream's ``Finish``, if any.
+        error: the stream's ``Error``, if any.
+
+    Returns:
+        The response as of those events.
+    """
+    status, _ = terminal_status(finish, error)
+    incomplete = finish is not None and finish.reason == "max_tokens"
+    return msgspec.structs.replace(
+        skeleton,
+        status=status,
+        output=output,
+        usage=_usage(usage),
+        error=None
+        if error is None
+        else ResponseError(
+            code=_ERROR_CODES.get(error.kind, "server_error"), message=error.message
+        ),
+        incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
+    )
+
+
+def build_item(
+    kind: ItemKind,
+    iid: str,
+    status: ItemStatus,
+    text: str,
+    logprobs: list[Logprob],
+    call: ToolCallStart | None,
+) -> OutputItem:
+    """One output item of ``kind`` in ``status``.
+
+    Args:
+        kind: message, reasoning or function_call.
+        iid: the item id (``item_id``).
+        status: the item status.
+        text: the message or reasoning text, or the call's arguments.
+        logprobs: a message's token logprobs.
+        call: the ``ToolCallStart`` of a function call (None otherwise).
+
+    Returns:
+        The item.
+    """
+    if kind == "message":
+        return MessageItem(
+            id=iid, status=status, content=[OutputText(text=text, logprobs=logprobs)]
+        )
+    if kind == "reasoning":
+        return ReasoningItem(id=iid, status=status, content=[ReasoningText(text=text)])
+    assert call is not None
+    return FunctionCallItem(
+        id=iid, status=status, arguments=text, call_id=_call_id(call.call_id), name=call.name
+    )
+
+
+def render(completion: Completion, skeleton: Response) -> Response:
+    """Build the non-streaming response (also what GET returns) from folded events.
+
+    Args:
+        completion: ``fold(events)``; may be partial (still generating).
+        skeleton: the request echo from ``openai_responses_request.skeleton``.
+
+    Returns:
+        The response; the last item is ``incomplete`` when generation did not end naturally,
+        ``in_progress`` while it has not ended.
+    """
+    status, _ = terminal_status(completion.finish, completion.error)
+    output: list[OutputItem] = []
+    for index, block in enumerate(completion.blocks):
+        last = index == len(completion.blocks) - 1
+        item_status: ItemStatus = "completed"
+        if last and status == "in_progress":
+            item_status = "in_progress"
+        elif last and status != "completed":
+            item_status = "incomplete"
+        match block:
+            case TextBlock():
+                iid = item_id(skeleton.id, "message", index)
+                logprobs = logprobs_out(block.logprobs)
+                output.append(build_item("message", iid, item_status, block.text, logprobs, None))
+            case ReasoningBlock():
+                iid = item_id(skeleton.id, "reasoning", index)
+                output.append(build_item("reasoning", iid, item_status, block.text, [], None))
+            case ToolCallBlock():
+                iid = item_id(skeleton.id, "function_call", index)
+                call = ToolCallStart(index=block.index, call_id=block.call_id, name=block.name)
+                output.append(
+                    build_item("function_call", iid, item_status, block.arguments, [], call)
+                )
+            case _:
+                assert_never(block)
+    return final_response(skeleton, output, completion.usage, completion.finish, completion.error)
