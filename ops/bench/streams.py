@@ -5,15 +5,22 @@ Usage (from the repository root, with the project's venv)::
     .venv/bin/python ops/bench/streams.py                          # private redis-server
     .venv/bin/python ops/bench/streams.py --levels 250,500,1000,1500 --seconds 8
 
-It starts one real ``sluice api`` process and, per level N, a publisher process that plays the
-worker: N request streams, one ``TextDelta`` per stream every 50 ms (20 tokens/s), all streams
-of a tick in one pipeline (as a batching worker publishes one decode step), each event carrying
-the wall-clock time its XADD pipeline was sent. N raw-socket SSE clients in this process read
+It starts one real ``sluice api`` process (uvloop + httptools, as ``run_api`` serves it) and, per
+level N, one publisher process that plays a batching worker as cheaply as possible: every 50 ms
+(20 tokens/s per stream) one write of N pipelined raw-protocol XADDs, one ``TextDelta`` per
+stream carrying the wall-clock time of the write. N SSE clients, all in this one process
+(uvloop, an ``asyncio.Protocol`` per connection, no HTTP library), read
 ``GET /v1/requests/{id}/events`` and record, per event, ``receive time - XADD time`` (latency:
 Redis hop, hub fan-out, projection, SSE write, loopback, and the clients' own loop) and the
 added inter-event delay (how much later than its predecessor an event arrived, beyond the
 50 ms the publisher put between them). A level passes when the added inter-event delay's p99 is
-under 50 ms; the run stops at the first failing level unless ``--keep-going``.
+under 50 ms and every published event arrived; the run stops at the first failing level unless
+``--keep-going``.
+
+So that the reader can see who the limit is, each level reports the CPU used by the API, the
+clients, the publisher and Redis (percent of one core), the API's CPU microseconds per delivered
+event, and how much of the wall time the API was runnable but waiting for a CPU (Linux
+schedstat): when that is large, the machine, not the API process, is the bottleneck.
 
 A separate probe measures the idle-path latency: one stream, single XADDs 10 ms apart, time
 taken immediately before each XADD, median/p90/p99 of XADD → bytes read from the API socket.
@@ -37,18 +44,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, cast
-from urllib.parse import parse_qs, urlsplit
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from stream_load import open_client, publisher
 
 from shared import keys
-from shared.codec import encode_entry, encode_event, encode_job
+from shared.codec import encode_entry, encode_job
 from shared.events import AnyEvent, Finish, Start, TextDelta, Usage
 from shared.jobs import GenerateRequest
 
-TICK_S = 0.05  # 20 tokens/s per stream
 _JSON = msgspec.json.Decoder()
 
 
@@ -123,172 +129,19 @@ async def create_requests(redis: aioredis.Redis, prefix: str, n: int) -> list[st
     return rids
 
 
-def _connect_redis(redis_url: str) -> socket.socket:
-    """A plain blocking socket to Redis (``unix:///path[?db=n]`` or ``redis://host:port/db``)."""
-    url = urlsplit(redis_url)
-    db = parse_qs(url.query).get("db", ["0"])[0]
-    if url.scheme == "unix":
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(url.path)
-    else:
-        sock = socket.create_connection((url.hostname or "127.0.0.1", url.port or 6379))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        db = url.path.strip("/") or db
-    if db != "0":
-        sock.sendall(_resp(b"SELECT", db.encode()))
-        _read_replies(sock, 1)
-    return sock
-
-
-def _resp(*parts: bytes) -> bytes:
-    """One command in the Redis protocol."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
-    return b"".join(out)
-
-
-def _read_replies(sock: socket.socket, n: int) -> None:
-    """Consume ``n`` simple or bulk-string replies (XADD ids, +OK); an error reply aborts."""
-    buf = b""
-    seen = 0
-    while seen < n:
-        chunk = sock.recv(1 << 20)
-        if not chunk:
-            raise ConnectionError("redis closed the connection")
-        buf += chunk
-        while True:
-            line_end = buf.find(b"\r\n")
-            if line_end < 0:
-                break
-            head = buf[:1]
-            if head == b"-":
-                raise RuntimeError(buf[:line_end].decode())
-            if head == b"$":
-                size = int(buf[1:line_end])
-                total = line_end + 2 + size + 2
-                if len(buf) < total:
-                    break
-                buf = buf[total:]
-            else:
-                buf = buf[line_end + 2 :]
-            seen += 1
-
-
-def publisher(
-    redis_url: str, rids: list[str], seconds: float, go: Any, cpu_out: Any, events_out: Any
-) -> None:
-    """Process body playing a batching worker as cheaply as possible: every tick, one write of
-    pipelined raw-protocol XADDs (one per stream, the same encoded body for all), then Usage +
-    Finish. Reports its own CPU seconds through ``cpu_out``."""
-    sock = _connect_redis(redis_url)
-    heads = [
-        b"*7\r\n$4\r\nXADD\r\n$%d\r\n%s\r\n$1\r\n*\r\n$1\r\nv\r\n$1\r\n1\r\n$1\r\ne\r\n"
-        % (len(k), k)
-        for k in (keys.events(rid).encode() for rid in rids)
-    ]
-    go.wait()
-    cpu0 = time.process_time()
-    end = time.monotonic() + seconds
-    next_tick = time.monotonic()
-    count = 0
-    while time.monotonic() < end:
-        body = encode_event(TextDelta(text=str(time.time_ns()), token_ids=[1]))
-        tail = b"$%d\r\n%s\r\n" % (len(body), body)
-        sock.sendall(b"".join([head + tail for head in heads]))
-        _read_replies(sock, len(heads))
-        count += 1
-        next_tick += TICK_S
-        time.sleep(max(0.0, next_tick - time.monotonic()))
-    closing = [
-        encode_event(Usage(input_tokens=1, output_tokens=count)),
-        encode_event(Finish(reason="end_turn")),
-    ]
-    sock.sendall(b"".join(head + b"$%d\r\n%s\r\n" % (len(b), b) for head in heads for b in closing))
-    _read_replies(sock, 2 * len(heads))
-    cpu_out.value = time.process_time() - cpu0
-    events_out.value = count * len(heads)
-    sock.close()
-
-
-class _Ev(msgspec.Struct):
-    """The two fields of a native SSE event the clients look at (the rest is skipped)."""
-
-    type: str
-    text: str = ""
-
-
-_EV = msgspec.json.Decoder(_Ev)
-
-
-class SSEClient(asyncio.Protocol):
-    """One raw-socket SSE reader: no coroutine per read, no HTTP library, one decode per event.
-
-    Appends ``receive - XADD`` (ms) per text event to ``delays`` and the added inter-event delay
-    (how much later than its predecessor an event arrived, beyond the gap the publisher put
-    between them) to ``gaps``.
-    """
-
-    def __init__(self, rid: str, delays: list[float], gaps: list[float]) -> None:
-        """Bind the shared result lists; ``ready``/``done`` are set by the loop callbacks."""
-        loop = asyncio.get_running_loop()
-        self.rid = rid
-        self.delays = delays
-        self.gaps = gaps
-        self.ready: asyncio.Future[None] = loop.create_future()
-        self.done: asyncio.Future[int] = loop.create_future()
-        self.events = 0
-        self._last: float | None = None
-        self._buf = b""
-        self._transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self._transport.write(
-            f"GET /v1/requests/{self.rid}/events HTTP/1.1\r\nHost: b\r\n\r\n".encode()
-        )
-
-    def data_received(self, data: bytes) -> None:
-        now = time.time_ns()
-        if not self.ready.done():
-            self.ready.set_result(None)
-        *lines, self._buf = (self._buf + data).split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data: "):
-                continue
-            event = _EV.decode(line[6:])
-            self.events += 1
-            if event.type == "text":
-                delay = (now - int(event.text)) / 1e6
-                if self._last is not None:
-                    self.gaps.append(delay - self._last)
-                self._last = delay
-                self.delays.append(delay)
-            elif event.type in ("finish", "error") and not self.done.done():
-                self.done.set_result(self.events)
-                assert self._transport is not None
-                self._transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.ready.done():
-            self.ready.set_result(None)
-        if not self.done.done():
-            self.done.set_result(self.events)
-
-
-async def open_client(port: int, rid: str, delays: list[float], gaps: list[float]) -> SSEClient:
-    """Connect one ``SSEClient`` to the API."""
-    loop = asyncio.get_running_loop()
-    _, client = await loop.create_connection(
-        lambda: SSEClient(rid, delays, gaps), "127.0.0.1", port
-    )
-    return client
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_queue_seconds(pid: int) -> float:
+    """Seconds a process spent runnable but waiting for a CPU (Linux schedstat, all threads):
+    when this is large, the machine, not the process, is the limit."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
 
 
 async def redis_cpu(redis: aioredis.Redis) -> float:
@@ -318,11 +171,12 @@ async def run_level(
     await asyncio.wait_for(asyncio.gather(*(c.ready for c in clients)), timeout=60)
     delays.clear()  # the Start events, read before the clock starts
     go.set()
-    t0, cpu0 = time.monotonic(), cpu_seconds(api_pid)
+    t0, cpu0, wait0 = time.monotonic(), cpu_seconds(api_pid), run_queue_seconds(api_pid)
     own0, redis0 = time.process_time(), await redis_cpu(redis)
     await asyncio.wait_for(asyncio.gather(*(c.done for c in clients)), timeout=seconds + 60)
     elapsed = time.monotonic() - t0
     api_cpu = cpu_seconds(api_pid) - cpu0
+    api_wait = run_queue_seconds(api_pid) - wait0
     own = time.process_time() - own0
     rcpu = await redis_cpu(redis) - redis0
     await asyncio.to_thread(proc.join)
@@ -333,6 +187,7 @@ async def run_level(
     return {
         "n": n,
         "cpu": api_cpu / elapsed * 100,
+        "api_wait": api_wait / elapsed * 100,
         "us_per_event": api_cpu / max(1, len(delays)) * 1e6,
         "clients_cpu": own / elapsed * 100,
         "publisher_cpu": pub_cpu.value / elapsed * 100,
@@ -361,6 +216,7 @@ async def probe(redis: aioredis.Redis, port: int, count: int) -> list[float]:
     await redis.xadd(keys.events(rid), _entry(Usage(input_tokens=1, output_tokens=count)))
     await redis.xadd(keys.events(rid), _entry(Finish(reason="end_turn")))
     await client.done
+    await redis.delete(keys.events(rid), keys.request(rid), keys.cancel(rid))
     return delays
 
 
@@ -389,15 +245,17 @@ async def main(args: argparse.Namespace) -> None:
         )
         print(
             "| streams | events/s | API µs CPU/event | CPU % API / clients / publisher / Redis "
+            "| API waiting for a CPU % "
             "| latency p50 / p90 / p99 / max ms | added inter-event delay p99 ms | < 50 ms |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for n in args.levels:
             r = await run_level(redis, redis_url, port, api_pid, n, args.seconds)
             ok = r["gap99"] < 50 and r["events"] >= r["published"]
             print(
                 f"| {n} | {r['rate']:.0f} | {r['us_per_event']:.0f} | {r['cpu']:.0f} / "
                 f"{r['clients_cpu']:.0f} / {r['publisher_cpu']:.0f} / {r['redis_cpu']:.0f} "
+                f"| {r['api_wait']:.0f} "
                 f"| {r['p50']:.1f} / {r['p90']:.1f} / {r['p99']:.1f} / {r['max']:.1f} "
                 f"| {r['gap99']:.1f} | {'yes' if ok else 'no'} |",
                 flush=True,

@@ -25,6 +25,7 @@ from services.api.auth import authenticate
 from services.api.cards import CardCache
 from services.api.errors import install_error_handlers
 from services.api.hub import StreamHub
+from services.api.start_timeout import sweep_loop
 from shared.config import Settings
 from shared.errors import RequestTooLarge
 
@@ -118,9 +119,13 @@ def create_app(settings: Settings) -> FastAPI:
         )
         state = AppState(settings=settings, redis=redis, arq=arq, hub=hub, cards=cards)
         app.state.sluice = state
+        # Requests nobody streams must time out too (the pipeline covers the watched ones).
+        sweeper = asyncio.create_task(sweep_loop(redis, settings), name="sluice-start-timeout")
         try:
             yield
         finally:
+            sweeper.cancel()
+            await asyncio.gather(sweeper, return_exceptions=True)
             await hub.stop()
             if state.background:  # pending cancel flags: give them a moment to land
                 await asyncio.wait(list(state.background), timeout=2)

@@ -2,7 +2,9 @@
 
 A crashed or absent worker leaves a queued job untouched for as long as arq's keys live (arq
 #343, #407), so a client would wait on a silent stream forever. The streaming pipeline therefore
-bounds the wait for a request's first event and then calls ``claim_unstarted``.
+bounds the wait for a request's first event and then calls ``claim_unstarted``; for requests
+nobody is watching (a background Responses request, a client that left), ``sweep_loop`` does the
+same from the in-flight sets every few seconds.
 
 Ending the request must never race a worker that picks it up at the same moment into a second
 terminal event or a ``Start`` after the ``Error``. The claim is one Lua script over the
@@ -17,6 +19,7 @@ request dropped from the in-flight set (best effort: the lease already fences an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -29,18 +32,29 @@ from shared.codec import SCHEMA_VERSION, encode_event
 from shared.config import Settings
 from shared.events import Error
 
-__all__ = ["API_TIMEOUT_OWNER", "Claim", "claim_unstarted", "start_deadline"]
+__all__ = [
+    "API_TIMEOUT_OWNER",
+    "Claim",
+    "claim_unstarted",
+    "start_deadline",
+    "sweep_loop",
+    "sweep_unstarted",
+]
 
 logger = logging.getLogger(__name__)
 
 API_TIMEOUT_OWNER = "api-timeout"  # the lease value: not a worker id, never "recovering:"
 
-# KEYS: events, lease. ARGV: owner, lease_ttl_ms, maxlen, retention_s, version, body.
-# Returns 0 when the stream already has an event, -1 when someone holds the lease, 1 when the
-# Error was appended under our lease. All keys share the {rid} hash tag (Cluster-safe).
+# KEYS: events, lease, request. ARGV: owner, lease_ttl_ms, maxlen, retention_s, version, body.
+# Returns 0 when the stream already has an event, -1 when someone holds the lease, -2 when the
+# request itself is gone (retention expired: nothing to end), 1 when the Error was appended under
+# our lease. All keys share the {rid} hash tag (Cluster-safe).
 _CLAIM = """
 if redis.call('XLEN', KEYS[1]) > 0 then
   return 0
+end
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  return -2
 end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return -1
@@ -56,6 +70,7 @@ class Claim:
 
     STARTED = 0  # the stream has events: a worker started it
     HELD = -1  # a worker (or a recovery claim) holds the lease: it is about to start
+    GONE = -2  # no request hash (expired or never stored): nothing to end
     TIMED_OUT = 1  # the Error is on the stream; the request is over
 
 
@@ -93,7 +108,7 @@ async def claim_unstarted(redis: aioredis.Redis, rid: str, settings: Settings) -
     Returns:
         A ``Claim`` value: ``TIMED_OUT`` when this call wrote the Error (the event reaches every
         subscriber through the stream like any other), ``STARTED`` or ``HELD`` when a worker got
-        there first.
+        there first, ``GONE`` when the request no longer exists.
     """
     error = Error(
         kind="overloaded",
@@ -111,7 +126,9 @@ async def claim_unstarted(redis: aioredis.Redis, rid: str, settings: Settings) -
         encode_event(error),
     ]
     untyped: Any = redis  # redis-py's stubs type every EVAL argument as str
-    result = int(await untyped.eval(_CLAIM, 2, keys.events(rid), keys.lease(rid), *args))
+    result = int(
+        await untyped.eval(_CLAIM, 3, keys.events(rid), keys.lease(rid), keys.request(rid), *args)
+    )
     if result == Claim.TIMED_OUT:
         logger.warning("%s: no worker started it within %gs", rid, settings.start_timeout_s)
         await _dequeue(redis, rid)
@@ -129,3 +146,55 @@ async def _dequeue(redis: aioredis.Redis, rid: str) -> None:
             await pipe.execute()
     except Exception:  # boundary: the lease already fences any worker; this is tidying up
         logger.exception("%s: could not remove the timed-out job", rid)
+
+
+async def sweep_unstarted(redis: aioredis.Redis, settings: Settings) -> list[str]:
+    """Time out every in-flight request older than ``start_timeout_s`` that no worker started.
+
+    Candidates come from ``sluice:inflight:{model}`` (scored by creation time, ms); each is then
+    settled by ``claim_unstarted``, so a started or leased request is left alone and several API
+    processes sweeping at once still write at most one Error.
+
+    Args:
+        redis: the command client.
+        settings: the process settings.
+
+    Returns:
+        The request ids this call timed out.
+    """
+    oldest = (time.time() - settings.start_timeout_s) * 1000
+    timed_out: list[str] = []
+    for raw_model in await redis.smembers(keys.models()):  # type: ignore[misc]
+        members = await redis.zrangebyscore(keys.inflight(raw_model.decode()), "-inf", oldest)
+        if not members:
+            continue
+        # one round trip to drop the started ones (the usual case for old in-flight entries)
+        async with redis.pipeline(transaction=False) as pipe:
+            for rid in members:
+                pipe.xlen(keys.events(rid.decode()))
+            lengths = await pipe.execute()
+        for rid, length in zip(members, lengths, strict=True):
+            if length:
+                continue
+            result = await claim_unstarted(redis, rid.decode(), settings)
+            if result == Claim.TIMED_OUT:
+                timed_out.append(rid.decode())
+            elif result == Claim.GONE:  # a leftover entry: its request expired
+                await redis.zrem(keys.inflight(raw_model.decode()), rid)
+    return timed_out
+
+
+async def sweep_loop(redis: aioredis.Redis, settings: Settings) -> None:
+    """``sweep_unstarted`` every ``min(start_timeout_s / 4, 5 s)`` until cancelled.
+
+    Args:
+        redis: the command client.
+        settings: the process settings.
+    """
+    period = max(0.05, min(settings.start_timeout_s / 4, 5.0))
+    while True:
+        await asyncio.sleep(period)
+        try:
+            await sweep_unstarted(redis, settings)
+        except Exception:  # boundary: a Redis hiccup must not end the sweeping for good
+            logger.exception("start-timeout sweep failed")

@@ -9,6 +9,10 @@ reconnects); and nothing raises past the SSE boundary once headers are out: a fa
 the projector's own in-band error frame. Entries that piled up for a slow client leave in one
 write (``get_batch``), so an overloaded process spends fewer syscalls exactly when it must.
 ``collect`` is the non-streaming twin (events until terminal, cancel on disconnect).
+Until a request's first event arrives, the wait is also bounded by ``start_timeout_s`` from its
+creation; past it, ``start_timeout.claim_unstarted`` ends the request with a retryable
+``Error(overloaded)`` unless a worker holds it, and that Error reaches every watcher through the
+stream like any other event.
 """
 
 from __future__ import annotations

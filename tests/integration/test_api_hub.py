@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -130,3 +131,20 @@ async def test_reader_survives_a_killed_connection(hub: StreamHub, redis: aiored
     await redis.client_kill_filter(_id=ours[0])
     after = await fill(redis, "k", 3)
     assert await take(sub, 3) == after  # resumed from its cursor: nothing lost or repeated
+
+
+async def test_a_blocked_wait_ends_on_stop_or_silence(
+    hub: StreamHub, redis: aioredis.Redis
+) -> None:
+    from services.api.hub import HubClosed
+
+    sub = await hub.subscribe("w")
+    assert await sub.get_batch(0.01) == []  # the timer ends a silent wait with an empty batch
+    (entry_id,) = await fill(redis, "w", 1)
+    assert [e[0] for e in await sub.get_batch(5)] == [entry_id]  # and a live one with entries
+    waiter = asyncio.ensure_future(sub.get_batch(30))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await hub.stop()
+    with pytest.raises(HubClosed):
+        await waiter

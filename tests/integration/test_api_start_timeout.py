@@ -17,7 +17,12 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from services.api.start_timeout import API_TIMEOUT_OWNER, Claim, claim_unstarted
+from services.api.start_timeout import (
+    API_TIMEOUT_OWNER,
+    Claim,
+    claim_unstarted,
+    sweep_unstarted,
+)
 from services.worker.jobs import WorkerContext, run_job
 from services.worker.scripted import parse_spec
 from shared import keys
@@ -193,3 +198,42 @@ async def test_worker_arriving_around_the_deadline_end_to_end(
     check_stream(received)
     assert received == await stored(redis, rid)
     assert is_timeout(received) or isinstance(received[0], Start)
+
+
+async def test_sweep_times_out_unwatched_requests_only(
+    redis: aioredis.Redis, worker_redis: aioredis.Redis, settings: Settings
+) -> None:
+    old = (time.time() - 60) * 1000
+    await redis.sadd(keys.models(), "tiny-test")  # type: ignore[misc]
+    waiting = await store_job(redis, "req_waiting")
+    started = await store_job(redis, "req_running")
+    await run_job(worker_context(settings, worker_redis, "w-sweep"), started)
+    young = await store_job(redis, "req_young")
+    await redis.zadd(
+        keys.inflight("tiny-test"),
+        {waiting.request_id: old, started.request_id: old, "req_expired": old},
+    )
+    await redis.zadd(keys.inflight("tiny-test"), {young.request_id: time.time() * 1000})
+
+    assert await sweep_unstarted(redis, settings) == [waiting.request_id]
+    events = await stored(redis, waiting.request_id)
+    check_stream(events)
+    assert is_timeout(events)
+    check_stream(await stored(redis, started.request_id))  # untouched: one terminal, its own
+    assert await redis.xlen(keys.events(young.request_id)) == 0  # not old enough yet
+    assert await redis.exists(keys.events("req_expired")) == 0  # no hash: nothing written
+    assert await redis.zscore(keys.inflight("tiny-test"), "req_expired") is None
+    assert await sweep_unstarted(redis, settings) == []  # idempotent
+
+
+async def test_nobody_watching_still_times_out(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
+    """The API's sweep ends a request that no client streams (e.g. a background request)."""
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        rid = await create(client)
+    reply = await redis.xread({keys.events(rid): "0-0"}, block=10_000)
+    assert reply, "no Error within 10 s of a 0.6 s start timeout"
+    events = [decode_entry(fields) for _, fields in reply[0][1]]
+    check_stream(events)
+    assert is_timeout(events)

@@ -11,17 +11,11 @@ releases text up to some offset carries the queued ids that end there or earlier
 have no text, so they ride on the event they open or close. Ids whose text is held back (a
 partial stop string, a matched stop, EOS) ride on ``Finish``.
 
-Answer text is released only up to the end of a whole token's text: text that the stop matcher
-releases ahead of its token waits for it (``_unsent``), and a tool-call event carries every
-token fed so far (the parser's state then depends only on published ids). So what any published
-prefix of the stream shows is exactly what its token ids produce, which makes failover exact.
-
-Everything is a pure function of the token sequence, so a continuation worker rebuilds the
-state with ``resume(ids)``: it feeds the tokens a lost worker already published, discards those
-events, and then treats everything fed as published. Text the fresh decoder would still hold
-back (a possible stop-string prefix, text waiting for its token) was already on the stream and
-is dropped; bytes of an incomplete character stay in the detokenizer because they belong to the
-next token's event. Parser state (inside reasoning, inside a call, call indexes and ids) is kept.
+Answer text goes out only up to the end of a whole token's text (text released ahead of its
+token waits in ``_unsent``), and a tool-call event carries every token fed so far. So what a
+published prefix of the stream shows is exactly what its token ids produce: a continuation
+worker calls ``resume(ids)`` with the lost worker's published ids and goes on without repeating
+or losing text (call ids are a hash of request id and index, so they come out the same too).
 
 Stop sequences apply to answer text only (never to reasoning or tool-call arguments), and tool
 calls are parsed only when the job declares tools, ``tool_choice`` is not ``none`` and the model
@@ -182,10 +176,10 @@ class OutputDecoder:
     def resume(self, token_ids: list[int]) -> None:
         """Rebuild the state after ``token_ids``, which a lost worker already published.
 
-        Feeds them (their events are discarded), then marks everything they produced as
-        published: held stop-prefix text and text waiting for its token are dropped without
-        being emitted, and the queued ids are forgotten (they rode on published events).
-        Incomplete UTF-8 bytes stay in the detokenizer: their character belongs to a later token.
+        Feeds them and discards their events, then treats all they produced as published: held
+        text (a possible stop-string prefix, text waiting for its token) is dropped unemitted and
+        the queued ids are forgotten. Parser state (inside reasoning, inside a call, indexes) is
+        kept, and so are incomplete UTF-8 bytes: their character belongs to a later token.
         """
         for token_id in token_ids:
             self.feed(token_id)

@@ -34,6 +34,17 @@ def test_named_frame_with_id() -> None:
     assert sse.encode(frame) == b"event: message_start\nid: 1700000000000-3\ndata: x\n\n"
 
 
+def test_entry_id_stamped_while_encoding() -> None:
+    # the pipeline puts the Redis entry id on an event's last frame without copying the frame
+    frame = sse.Frame(data="a\nb", event="e", id="1-0")
+    assert (
+        sse.encode(frame, "1700000000000-4")
+        == b"event: e\nid: 1700000000000-4\ndata: a\ndata: b\n\n"
+    )
+    assert sse.encode(sse.Frame(data=b"{}"), "9-9") == b"id: 9-9\ndata: {}\n\n"
+    assert sse.encode(frame) == b"event: e\nid: 1-0\ndata: a\ndata: b\n\n"
+
+
 def test_json_frame_is_compact_json() -> None:
     frame = sse.json_frame({"type": "ping", "n": [1, 2]}, event="ping")
     assert frame == sse.Frame(data=b'{"type":"ping","n":[1,2]}', event="ping")

@@ -10,7 +10,6 @@ alone and through the real scheduler thread with a scripted model double.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from services.worker.engine import TorchBackend
@@ -22,7 +21,7 @@ from shared.events import AnyEvent, Start
 from shared.jobs import GenerateRequest, SamplingParams
 from tests.invariants import check_stream, generated_token_ids
 from tests.unit.worker.decoder_harness import TOK, WEATHER, drive, ids, make_card, make_job
-from tests.worker_models import CHAT_TEMPLATE, ForcedSequenceModel, tiny_tokenizer
+from tests.worker_models import CHAT_TEMPLATE, ForcedSequenceModel
 
 torch.set_num_threads(1)
 
@@ -137,9 +136,13 @@ class PositionScriptModel(ForcedSequenceModel):
         return out
 
 
-@pytest.fixture
-async def scripted() -> TorchBackend:
-    tk = tiny_tokenizer()
+def scripted_backend() -> TorchBackend:
+    """The real engine over ``PositionScriptModel`` playing ``SCRIPT_TEXT``.
+
+    It uses the decoder tests' tokenizer: its merged tokens (" 3", " 4") are what let a stop
+    prefix end in the middle of a token, so a published token's text can be held back.
+    """
+    tk = TOK
     card = build_card(
         name="scripted",
         architecture="forced",
@@ -148,11 +151,11 @@ async def scripted() -> TorchBackend:
         chat_template=CHAT_TEMPLATE,
         bos_token=None,
         eos_token="<|im_end|>",
-        eos_token_ids=[2],
+        eos_token_ids=[EOS],
         add_bos_token=False,
         source="test",
     )
-    model = PositionScriptModel(tk.encode(SCRIPT_TEXT).ids, tk.get_vocab_size(), end_id=2)
+    model = PositionScriptModel(ids(SCRIPT_TEXT), tk.get_vocab_size(), end_id=EOS)
     loaded = LoadedModel(
         model=model,  # type: ignore[arg-type]  # a double with the model's call signature
         tokenizer=tk,
@@ -172,7 +175,8 @@ async def collect(b: TorchBackend, job: GenerateRequest, resume: list[int]) -> l
     return batches
 
 
-async def test_engine_continuation_equals_the_uninterrupted_stream(scripted: TorchBackend) -> None:
+async def test_engine_continuation_equals_the_uninterrupted_stream() -> None:
+    scripted = scripted_backend()
     job = GenerateRequest(
         request_id="r1",
         model="scripted",
@@ -187,7 +191,7 @@ async def test_engine_continuation_equals_the_uninterrupted_stream(scripted: Tor
         full = flat(batches)
         assert fold(full).text == SCRIPT_TEXT
         assert len(batches) > 8
-        for k in range(1, len(batches) - 1):  # never after the final batch
+        for k in range(1, len(batches)):  # every cut but after the final batch
             published = flat(batches[:k])
             # A different worker continues: nothing of this prompt is in its cache.
             scripted.scheduler.cache.tokens = [[] for _ in range(scripted.max_batch)]
