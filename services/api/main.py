@@ -17,6 +17,19 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+class _QuietProbes(logging.Filter):
+    """Drop access-log lines for health probes.
+
+    Launchers, compose and load balancers poll ``/healthz`` and ``/readyz`` several times a
+    second; logging each one buries the requests an operator is looking for.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) >= 3 else ""
+        return path not in ("/healthz", "/readyz")
+
+
 def run_api(settings: Settings) -> int:
     """Run the API server until interrupted.
 
@@ -42,6 +55,7 @@ def run_api(settings: Settings) -> int:
         loop="uvloop" if _has("uvloop") else "asyncio",
         http="httptools" if _has("httptools") else "h11",
     )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(config)  # configures uvicorn's loggers, so filter after it
+    logging.getLogger("uvicorn.access").addFilter(_QuietProbes())
     server.run()
     return 0 if server.started else 1
