@@ -45,6 +45,7 @@ __all__ = [
     "redis_answers",
     "run_up",
     "start_private_redis",
+    "worker_threads",
 ]
 
 _POLL_S = 0.1
@@ -135,6 +136,7 @@ def run_up(settings: Settings) -> int:
             redis_url = private.url
             note(f"no Redis at {settings.redis_url}; started a private one at {redis_url}")
         env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
+        env.setdefault("SLUICE_THREADS", str(worker_threads(os.cpu_count() or 1)))
         cli = [sys.executable, "-m", "services.cli"]
         worker = [*cli, "worker", "--model", settings.model]
         if settings.model_name:
@@ -214,6 +216,16 @@ def _dead_child(children: list[subprocess.Popen[bytes]]) -> subprocess.Popen[byt
             note(f"{describe(child)} exited with status {child.returncode}; stopping the rest")
             return child
     return None
+
+
+def worker_threads(cores: int) -> int:
+    """Torch threads for a worker that shares this machine with the API and Redis.
+
+    Leave one core to the API and Redis: OpenMP threads spin-wait on a descheduled peer, so a
+    worker using every core slows down many times over whenever the API is busy
+    (docs/benchmarks.md, "Whole stack"). ``SLUICE_THREADS`` in the environment wins.
+    """
+    return max(1, cores - 1)
 
 
 def pick_model(settings: Settings, live: list[str]) -> str:

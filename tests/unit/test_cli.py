@@ -177,3 +177,9 @@ def test_up_refuses_a_busy_port_before_starting_anything() -> None:
     assert out.returncode == 1
     assert "already in use" in out.stderr
     assert "started a private one" not in out.stderr
+
+
+def test_up_leaves_a_core_to_the_api_and_redis() -> None:
+    from services.launcher import worker_threads
+
+    assert [worker_threads(n) for n in (1, 2, 4, 16)] == [1, 1, 3, 15]
