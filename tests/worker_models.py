@@ -23,7 +23,9 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
+from services.worker.engine import TorchBackend
 from services.worker.kv_cache import AttentionBatch, KVCache
+from services.worker.loaders import LoadedModel, build_card
 from services.worker.models import MODELS
 from services.worker.models.llama import LlamaConfig, LlamaModel
 
@@ -322,3 +324,36 @@ class ForcedSequenceModel(nn.Module):
             out[row, 0, token] = 10.0
             self._next[slot] = (start + T, k + 1)
         return out
+
+
+def forced_backend(script: str, *, context: int = 256, max_batch: int = 2) -> TorchBackend:
+    """The real engine over ``ForcedSequenceModel`` writing ``script``, with the tiny tokenizer.
+
+    The card has the ChatML template and the tokenizer's reasoning/tool markers, so everything
+    but the choice of tokens (decoder, router, tool parser, stop matcher, scheduler) is real.
+    """
+    tk = tiny_tokenizer()
+    card = build_card(
+        name="forced",
+        architecture="forced",
+        context_length=context,
+        tokenizer=tk,
+        chat_template=CHAT_TEMPLATE,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        eos_token_ids=[2],
+        add_bos_token=False,
+        source="test",
+    )
+    model = ForcedSequenceModel(
+        tk.encode(script).ids, tk.get_vocab_size(), end_id=2, context=context
+    )
+    loaded = LoadedModel(
+        model=model,  # type: ignore[arg-type]  # a double with the model interface
+        tokenizer=tk,
+        card=card,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        load_seconds=0.0,
+    )
+    return TorchBackend(loaded, max_batch=max_batch)

@@ -20,14 +20,13 @@ from openai.types.chat import ChatCompletion
 
 from services.api.wire.openai_chat import ChatContext, render
 from services.worker.engine import TorchBackend
-from services.worker.loaders import LoadedModel, build_card
 from services.worker.main import start_worker
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry
 from shared.config import Settings
 from tests.invariants import check_stream
-from tests.worker_models import CHAT_TEMPLATE, ForcedSequenceModel, tiny_tokenizer
+from tests.worker_models import forced_backend as forced_model_backend
 
 pytestmark = pytest.mark.integration
 
@@ -50,29 +49,7 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 def forced_backend() -> TorchBackend:
     """The engine over a model that always writes ``SCRIPT``."""
     torch.set_num_threads(1)
-    tk = tiny_tokenizer()
-    card = build_card(
-        name="forced",
-        architecture="forced",
-        context_length=512,
-        tokenizer=tk,
-        chat_template=CHAT_TEMPLATE,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        eos_token_ids=[2],
-        add_bos_token=False,
-        source="test",
-    )
-    model = ForcedSequenceModel(tk.encode(SCRIPT).ids, tk.get_vocab_size(), end_id=2, context=512)
-    loaded = LoadedModel(
-        model=model,  # type: ignore[arg-type]  # a double with the model interface
-        tokenizer=tk,
-        card=card,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        load_seconds=0.0,
-    )
-    return TorchBackend(loaded, max_batch=2)
+    return forced_model_backend(SCRIPT, context=512)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.worker.engine import TorchBackend
-from services.worker.loaders import LoadedModel, build_card, load_model
+from services.worker.loaders import load_model
 from shared.errors import ContextOverflow
 from shared.events import (
     AnyEvent,
@@ -30,7 +30,7 @@ from shared.events import (
 )
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart, ToolDef
 from tests.invariants import check_stream, generated_token_ids
-from tests.worker_models import CHAT_TEMPLATE, ForcedSequenceModel, tiny_tokenizer, write_hf_model
+from tests.worker_models import forced_backend, tiny_tokenizer, write_hf_model
 
 torch.set_num_threads(1)
 
@@ -188,32 +188,6 @@ async def test_prompt_token_ids_and_context_limits(backend: TorchBackend) -> Non
 
 
 # -- the forced-sequence double: deterministic reasoning / tool / stop / eos paths -------------
-
-
-def forced_backend(script: str) -> TorchBackend:
-    tk = tiny_tokenizer()
-    card = build_card(
-        name="forced",
-        architecture="forced",
-        context_length=256,
-        tokenizer=tk,
-        chat_template=CHAT_TEMPLATE,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        eos_token_ids=[2],
-        add_bos_token=False,
-        source="test",
-    )
-    model = ForcedSequenceModel(tk.encode(script).ids, tk.get_vocab_size(), end_id=2)
-    loaded = LoadedModel(
-        model=model,
-        tokenizer=tk,
-        card=card,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        load_seconds=0.0,
-    )  # type: ignore[arg-type]
-    return TorchBackend(loaded, max_batch=2)
 
 
 WEATHER = ToolDef(name="get_weather", parameters={"type": "object"})
