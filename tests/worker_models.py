@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from torch import nn
 
 from services.worker.engine import TorchBackend
-from services.worker.kv_cache import AttentionBatch, KVCache
+from services.worker.kv_cache import AttentionBatch, KVCache, build_batch
 from services.worker.loaders import LoadedModel, build_card
 from services.worker.models import MODELS
 from services.worker.models.llama import LlamaConfig, LlamaModel
@@ -357,3 +357,44 @@ def forced_backend(script: str, *, context: int = 256, max_batch: int = 2) -> To
         load_seconds=0.0,
     )
     return TorchBackend(loaded, max_batch=max_batch)
+
+
+CPU = torch.device("cpu")
+
+
+def model_cache(
+    model: nn.Module,
+    *,
+    slots: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+    initial: int = 256,
+) -> KVCache:
+    """An empty KV cache shaped for ``model`` (a ``LlamaModel`` or anything with its config)."""
+    c = model.config
+    return KVCache(
+        layers=c.num_layers,
+        slots=slots,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_len=c.context_length,
+        dtype=dtype,
+        device=device,
+        initial=initial,
+    )
+
+
+def prefill_logits(
+    model: nn.Module,
+    ids: list[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+    cache: KVCache | None = None,
+) -> torch.Tensor:
+    """Logits (T, V) at every position of one full-sequence forward in slot 0."""
+    cache = cache or model_cache(model, dtype=dtype, device=device)
+    cache.reserve(len(ids))
+    batch = build_batch([0], [0], len(ids), device)
+    with torch.inference_mode():
+        return model(torch.tensor([ids], device=device), batch, cache, n_logits=len(ids))[0]

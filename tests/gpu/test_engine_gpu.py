@@ -20,7 +20,7 @@ from shared.config import Settings
 from shared.events import AnyEvent, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
 from tests.invariants import check_stream, generated_token_ids
-from tests.worker_models import ARCH_MODEL_TYPE, write_hf_model
+from tests.worker_models import ARCH_MODEL_TYPE, prefill_logits, write_hf_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,30 +52,10 @@ def test_cuda_bf16_logits_close_to_cpu_fp32(tmp_path: Path, arch: str) -> None:
     cpu = load_model(str(tmp_path / "m"), device="cpu", dtype="float32")
     gpu = load_model(str(tmp_path / "m"), device="cuda", dtype="auto")
     assert gpu.dtype == torch.bfloat16
-    from services.worker.kv_cache import KVCache, build_batch
-
     ids = list(range(5, 40))
     out = []
     for lm in (cpu, gpu):
-        c = lm.model.config
-        cache = KVCache(
-            layers=c.num_layers,
-            slots=1,
-            kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            max_len=c.context_length,
-            dtype=lm.dtype,
-            device=lm.device,
-        )
-        with torch.inference_mode():
-            out.append(
-                lm.model(
-                    torch.tensor([ids], device=lm.device),
-                    build_batch([0], [0], len(ids), lm.device),
-                    cache,
-                    n_logits=len(ids),
-                )[0].cpu()
-            )
+        out.append(prefill_logits(lm.model, ids, dtype=lm.dtype, device=lm.device).cpu())
     assert (out[0] - out[1]).abs().max().item() < 0.1 * out[0].abs().max().item()
 
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import ModelLoadError, load_model
 from services.worker.loaders.gguf import dequantize_fast, unpermute_qk
 from services.worker.loaders.tokenizer import build_gguf_tokenizer
@@ -22,6 +21,7 @@ from tests.worker_models import (
     SPECIAL,
     hf_state_dict,
     permute_qk,
+    prefill_logits,
     random_model,
     tiny_tokenizer,
     write_gguf,
@@ -39,23 +39,7 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3For
 
 
 def _logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    c = model.config
-    cache = KVCache(
-        layers=c.num_layers,
-        slots=1,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        max_len=c.context_length,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
-    with torch.inference_mode():
-        return model(
-            torch.tensor([ids]),
-            build_batch([0], [0], len(ids), torch.device("cpu")),
-            cache,
-            n_logits=len(ids),
-        )[0]
+    return prefill_logits(model, ids)
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:

@@ -10,7 +10,14 @@ import torch
 from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import load_model
 from services.worker.models.llama import LlamaConfig, LlamaModel, rope_inv_freq
-from tests.worker_models import ARCH_MODEL_TYPE, random_model, tiny_tokenizer, write_hf_model
+from tests.worker_models import (
+    ARCH_MODEL_TYPE,
+    model_cache,
+    prefill_logits,
+    random_model,
+    tiny_tokenizer,
+    write_hf_model,
+)
 
 torch.set_num_threads(1)
 
@@ -19,25 +26,12 @@ VOCAB = tiny_tokenizer().get_vocab_size()
 
 
 def _cache(model: LlamaModel, slots: int = 4) -> KVCache:
-    c = model.config
-    return KVCache(
-        layers=c.num_layers,
-        slots=slots,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        max_len=c.context_length,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        initial=8,
-    )
+    return model_cache(model, slots=slots, initial=8)
 
 
 def _prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     """Logits at every position from one full-sequence forward (slot 0)."""
-    cache = _cache(model)
-    cache.reserve(len(ids))
-    batch = build_batch([0], [0], len(ids), torch.device("cpu"))
-    return model(torch.tensor([ids]), batch, cache, n_logits=len(ids))[0]
+    return prefill_logits(model, ids, cache=_cache(model))
 
 
 def _stepwise_logits(model: LlamaModel, ids: list[int], slot: int = 1) -> torch.Tensor:

@@ -8,10 +8,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import load_model
 from services.worker.models.quant import Int4Linear, Int8Linear, quantize_linears
-from tests.worker_models import random_model, tiny_tokenizer, write_gguf
+from tests.worker_models import prefill_logits, random_model, tiny_tokenizer, write_gguf
 
 torch.set_num_threads(1)
 
@@ -66,18 +65,6 @@ def test_four_bit_gguf_uses_int4_on_cpu_by_default(tmp_path: Path) -> None:
     ids = tk.encode("The capital of France is Paris.").ids
     logits = []
     for lm in (auto, dense):
-        c = lm.model.config
-        cache = KVCache(
-            layers=c.num_layers,
-            slots=1,
-            kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            max_len=c.context_length,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-        )
-        with torch.inference_mode():
-            batch = build_batch([0], [0], len(ids), torch.device("cpu"))
-            logits.append(lm.model(torch.tensor([ids]), batch, cache, n_logits=len(ids))[0])
+        logits.append(prefill_logits(lm.model, ids))
     scale = logits[1].abs().max().item()
     assert (logits[0] - logits[1]).abs().max().item() < 0.05 * scale

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.kv_cache import KVCache, build_batch
+from services.worker.kv_cache import build_batch
 from services.worker.loaders import load_model
-from tests.worker_models import ARCH_MODEL_TYPE, write_hf_model
+from tests.worker_models import ARCH_MODEL_TYPE, model_cache, prefill_logits, write_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,24 +31,9 @@ def test_logits_and_greedy_match_transformers(tmp_path: Path, arch: str) -> None
             str(tmp_path / "m"), dtype=torch.float32
         ).eval()
     ids = ours.tokenizer.encode("The capital of France is Paris. Hello world!").ids
-    c = ours.model.config
-    cache = KVCache(
-        layers=c.num_layers,
-        slots=1,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        max_len=c.context_length,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = ours.model(
-            torch.tensor([ids]),
-            build_batch([0], [0], len(ids), torch.device("cpu")),
-            cache,
-            n_logits=len(ids),
-        )[0]
+        got = prefill_logits(ours.model, ids)
         want = ref(torch.tensor([ids])).logits[0].float()
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
         generated = ref.generate(
@@ -60,15 +45,7 @@ def test_logits_and_greedy_match_transformers(tmp_path: Path, arch: str) -> None
             pad_token_id=0,
         )[0, len(ids) :].tolist()
     seq = list(ids)
-    cache = KVCache(
-        layers=c.num_layers,
-        slots=1,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        max_len=c.context_length,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    cache = model_cache(ours.model)
     mine: list[int] = []
     with torch.inference_mode():
         logits = ours.model(
