@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from services.worker.models.llama import LlamaModel
+from services.worker.models.quantized import QuantizedLlama
 from shared.model_card import ModelCard
 
 __all__ = [
@@ -46,7 +47,7 @@ class ModelLoadError(Exception):
 class LoadedModel:
     """A model ready for the engine: weights on their device, tokenizer, published card."""
 
-    model: LlamaModel
+    model: LlamaModel | QuantizedLlama  # QuantizedLlama: CPU 4-bit decode around the dense model
     tokenizer: Tokenizer
     card: ModelCard
     device: torch.device
@@ -142,6 +143,24 @@ def build_card(
     )
 
 
+def quantize_for_cpu(model: LlamaModel) -> LlamaModel | QuantizedLlama:
+    """Decode from 4-bit blocks: sluice's CPU kernels when they build here, else torch's int4.
+
+    The kernels path keeps the dense model for prefill (see ``models.quantized``); torch's int4
+    path replaces the block linears in place.
+    """
+    from services.worker import kernels
+    from services.worker.models.quantized import supports
+
+    k = kernels.load()
+    if k is not None and k.vectorized and supports(model):
+        return QuantizedLlama(model, k)
+    from services.worker.models.quant import quantize_linears
+
+    quantize_linears(model)
+    return model
+
+
 def load_model(
     spec: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto"
 ) -> LoadedModel:
@@ -180,13 +199,12 @@ def load_model(
         raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a model directory")
     model = model.to(device=dev, dtype=dt).eval()
     model.requires_grad_(False)
-    # auto on CPU: a 4-bit GGUF decodes from int4 kernels (its blocks are that format already).
+    # auto on CPU: a 4-bit GGUF decodes from 4-bit blocks (its weights are that format already).
+    ready: LlamaModel | QuantizedLlama = model
     if dtype == "int4" or (dtype == "auto" and dev.type == "cpu" and four_bit):
-        from services.worker.models.quant import quantize_linears
-
-        quantize_linears(model)
+        ready = quantize_for_cpu(model)
     return LoadedModel(
-        model=model,
+        model=ready,
         tokenizer=tokenizer,
         card=card,
         device=dev,

@@ -1,0 +1,144 @@
+"""sluice's CPU kernels (``sluice_cpu.c``): built on first use, loaded with ctypes.
+
+Owns compiling the C file with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
+cache directory, loading it, and thin typed wrappers that take torch tensors. Knows nothing about
+models: ``services.worker.models.quantized`` decides what to call.
+
+Why ctypes and a plain C file rather than a torch extension: the file builds in about a second
+with no torch headers, and a call costs a couple of microseconds. The library links the same
+``libgomp`` torch already loaded, so both share one OpenMP pool.
+
+The build is keyed by the source, the flags and the CPU's feature flags, so a cache directory
+shared between machines never serves a binary built for another CPU. ``SLUICE_KERNEL_DIR`` moves
+the cache (the worker image builds into it at image build time). No compiler, or a failed build:
+``load()`` returns None and logs why, and the engine falls back to torch's own int4 kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from ctypes import c_float, c_int, c_int64, c_void_p
+from pathlib import Path
+
+import torch
+
+__all__ = ["Kernels", "build", "load"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("sluice_cpu.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+_P, _I, _F = c_void_p, c_int64, c_float
+SIGNATURES: dict[str, list[type]] = {
+    "sl_vectorized": [],
+    "sl_quantize": [_P, _I, _I, _P, _P, _P, c_int],
+    "sl_rmsnorm_quantize": [_P, _P, _F, _I, _I, _P, _P, _P, _P, c_int],
+    "sl_swiglu_quantize": [_P, _I, _I, _P, _P, _P, _P, c_int],
+    "sl_gemm_q4_1": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
+    "sl_gemm_q8_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, c_int, c_int],
+    "sl_attention_decode": [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, c_int],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("SLUICE_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "sluice" / "kernels"
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
+        key.update(part)
+    key.update(_cpu_flags().encode())
+    return _cache_dir() / f"sluice_cpu-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the library into the cache (no-op when it is there); return its path.
+
+    Raises:
+        RuntimeError: no C compiler, or it failed (its output is in the message).
+    """
+    target = _library_path()
+    if target.exists():
+        return target
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: two workers starting together never load a half file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        Path(tmp).unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+    os.replace(tmp, target)
+    return target
+
+
+class Kernels:
+    """The loaded library, with wrappers that pass tensors by address (no copies, no checks
+    beyond what the callers' shapes already guarantee)."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes = argtypes
+            fn.restype = c_int if name == "sl_vectorized" else None
+        self.vectorized = bool(self.lib.sl_vectorized())
+
+    @staticmethod
+    def threads() -> int:
+        return torch.get_num_threads()
+
+    def quantize(
+        self, x: torch.Tensor, xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor
+    ) -> None:
+        """Quantize rows of ``x`` (M, K) fp32 into ``xq``/``xd``/``xs``."""
+        m, k = x.shape
+        self.lib.sl_quantize(
+            x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), self.threads()
+        )
+
+
+_loaded: Kernels | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def load() -> Kernels | None:
+    """The kernels, built and loaded once per process; None when they cannot be built here."""
+    global _loaded, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            if os.environ.get("SLUICE_KERNELS", "1") == "0":
+                log.info("sluice CPU kernels disabled by SLUICE_KERNELS=0")
+                return None
+            try:
+                _loaded = Kernels(build())
+            except (OSError, RuntimeError) as exc:
+                log.warning("sluice CPU kernels unavailable, using torch's int4 kernels: %s", exc)
+        return _loaded

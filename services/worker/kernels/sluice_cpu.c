@@ -1,0 +1,337 @@
+/* sluice CPU kernels: quantized matmuls and the fused pieces of a decode step.
+ *
+ * Why this exists: on a CPU, one decode step of a small model is a few megabytes of weights and
+ * about 1,500 tiny torch ops; the ops' dispatch costs more than the arithmetic. These kernels
+ * work straight from 4- and 8-bit blocks (the GGUF Q4_1 / Q8_0 formats, in a flat layout) with
+ * activations quantized to 8 bits per block of 32, as llama.cpp does, and fuse the glue
+ * (RMSNorm + quantize, SwiGLU + quantize, RoPE + KV write + attention) so a layer is nine calls.
+ *
+ * Layouts (row-major, QK = 32 values per block, nb = K / QK blocks per row):
+ *   activations  xq int8 [M, K], xd float [M, nb] (scale), xs float [M, nb] (scale * sum of q)
+ *   Q4_1 weight  wq uint8 [N, nb, 16] (value j in the low nibble of byte j, value j + 16 in the
+ *                high nibble), wd float [N, nb] (scale), wm float [N, nb] (minimum):
+ *                w = wd * q + wm
+ *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q
+ *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] floats
+ *
+ * Threads: every entry point takes nthreads and uses OpenMP, the same libgomp torch loaded, so
+ * the two share one thread pool instead of fighting over the cores.
+ * Without AVX2 + FMA the scalar loops below compute the same results (slowly).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SL_AVX2 1
+#else
+#define SL_AVX2 0
+#endif
+
+#define QK 32
+#define MT 4 /* activation rows per weight pass: a weight block is unpacked once per MT rows */
+
+int sl_vectorized(void) { return SL_AVX2; }
+
+/* ---- activation quantization ------------------------------------------------------------- */
+
+/* One row of K floats -> int8 blocks with a scale and the scaled block sum. */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float scale = amax / 127.0f;
+        const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            int v = (int)lrintf(xb[i] * inv);
+            q[b * QK + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = scale;
+        s[b] = scale * (float)sum;
+    }
+}
+
+void sl_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
+                 int nthreads) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+}
+
+/* RMSNorm(x) * w, quantized; the normalized floats are never stored (they only feed a matmul). */
+void sl_rmsnorm_quantize(const float *x, const float *w, float eps, int64_t M, int64_t K,
+                         int8_t *xq, float *xd, float *xs, float *tmp, int nthreads) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float *t = tmp + m * K;
+        double ss = 0.0;
+        for (int64_t i = 0; i < K; i++) ss += (double)row[i] * row[i];
+        const float r = 1.0f / sqrtf((float)(ss / (double)K) + eps);
+        for (int64_t i = 0; i < K; i++) t[i] = w[i] * (row[i] * r);
+        quantize_row(t, K, xq + m * K, xd + m * nb, xs + m * nb);
+    }
+}
+
+/* silu(gate) * up for rows laid out [gate (I), up (I)], quantized for the down projection. */
+void sl_swiglu_quantize(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd, float *xs,
+                        float *tmp, int nthreads) {
+    const int64_t nb = I / QK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *t = tmp + m * I;
+        for (int64_t i = 0; i < I; i++) t[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        quantize_row(t, I, xq + m * I, xd + m * nb, xs + m * nb);
+    }
+}
+
+/* ---- quantized matmuls: y[m, n] (+)= sum_k x[m, k] w[n, k] (+ bias[n]) ------------------- */
+
+#if SL_AVX2
+static inline float hsum(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* 16 bytes of packed nibbles -> 32 unsigned bytes in value order. */
+static inline __m256i unpack_q4(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+#endif
+
+static inline void store(float *y, float v, const float *bias, int64_t n, int accumulate) {
+    if (bias) v += bias[n];
+    if (accumulate) v += *y;
+    *y = v;
+}
+
+/* One output row n against mt (<= MT) activation rows. always_inline + a literal mt per call site
+ * lets the compiler keep the accumulators in registers. */
+#if SL_AVX2
+static inline __attribute__((always_inline)) void q4_1_tile(const int mt, int64_t nb, int64_t K,
+                                                            const uint8_t *wr, const float *dr,
+                                                            const int8_t *xq, const float *xd,
+                                                            float *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i w = unpack_q4(wr + b * 16);
+        for (int t = 0; t < mt; t++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * QK));
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+            const __m256 scale = _mm256_set1_ps(dr[b] * xd[t * nb + b]);
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[t]);
+        }
+    }
+    for (int t = 0; t < mt; t++) out[t] = hsum(acc[t]);
+}
+
+static inline __attribute__((always_inline)) void q8_0_tile(const int mt, int64_t nb, int64_t K,
+                                                            const int8_t *wr, const float *dr,
+                                                            const int8_t *xq, const float *xd,
+                                                            float *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
+        const __m256i wabs = _mm256_sign_epi8(w, w); /* maddubs wants one unsigned side */
+        for (int t = 0; t < mt; t++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * QK));
+            const __m256i dot =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones);
+            const __m256 scale = _mm256_set1_ps(dr[b] * xd[t * nb + b]);
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[t]);
+        }
+    }
+    for (int t = 0; t < mt; t++) out[t] = hsum(acc[t]);
+}
+#else
+static void q4_1_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wr, const float *dr,
+                      const int8_t *xq, const float *xd, float *out) {
+    for (int t = 0; t < mt; t++) {
+        float sum = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *p = wr + b * 16;
+            const int8_t *x = xq + t * K + b * QK;
+            int dot = 0;
+            for (int j = 0; j < 16; j++) dot += (p[j] & 0x0F) * x[j] + (p[j] >> 4) * x[j + 16];
+            sum += dr[b] * xd[t * nb + b] * (float)dot;
+        }
+        out[t] = sum;
+    }
+}
+
+static void q8_0_tile(const int mt, int64_t nb, int64_t K, const int8_t *wr, const float *dr,
+                      const int8_t *xq, const float *xd, float *out) {
+    for (int t = 0; t < mt; t++) {
+        float sum = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int dot = 0;
+            for (int j = 0; j < QK; j++) dot += wr[b * QK + j] * xq[t * K + b * QK + j];
+            sum += dr[b] * xd[t * nb + b] * (float)dot;
+        }
+        out[t] = sum;
+    }
+}
+#endif
+
+#define DISPATCH_TILE(fn, mt, ...)                                                            \
+    switch (mt) {                                                                              \
+    case 4: fn(4, __VA_ARGS__); break;                                                         \
+    case 3: fn(3, __VA_ARGS__); break;                                                         \
+    case 2: fn(2, __VA_ARGS__); break;                                                         \
+    default: fn(1, __VA_ARGS__); break;                                                        \
+    }
+
+static inline float dot_f32(const float *a, const float *b, int64_t n);
+
+/* Q4_1: sum_k w x = sum_b (wd * xd * sum_j q_w q_x) + wm * (xd * sum_j q_x); the second term is
+ * a dot product of the row's minimums with the activations' scaled block sums. */
+void sl_gemm_q4_1(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                  const float *xs, const uint8_t *wq, const float *wd, const float *wm,
+                  const float *bias, float *y, int accumulate, int nthreads) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wr = wq + n * nb * 16;
+        const float *dr = wd + n * nb, *mr = wm + n * nb;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            float out[MT];
+            DISPATCH_TILE(q4_1_tile, mt, nb, K, wr, dr, xq + m0 * K, xd + m0 * nb, out)
+            for (int t = 0; t < mt; t++) {
+                const float mins = dot_f32(mr, xs + (m0 + t) * nb, nb);
+                store(y + (m0 + t) * N + n, out[t] + mins, bias, n, accumulate);
+            }
+        }
+    }
+}
+
+void sl_gemm_q8_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                  const int8_t *wq, const float *wd, const float *bias, float *y, int accumulate,
+                  int nthreads) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wr = wq + n * K;
+        const float *dr = wd + n * nb;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            float out[MT];
+            DISPATCH_TILE(q8_0_tile, mt, nb, K, wr, dr, xq + m0 * K, xd + m0 * nb, out)
+            for (int t = 0; t < mt; t++) store(y + (m0 + t) * N + n, out[t], bias, n, accumulate);
+        }
+    }
+}
+
+/* ---- decode attention: one new token per row ---------------------------------------------- */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if SL_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    s = hsum(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_f32(float a, const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if SL_AVX2
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* Optional per-head RMSNorm (Qwen3's q_norm / k_norm), then rotary embedding in the Hugging Face
+ * convention: dimension i pairs with i + hd/2. */
+static void norm_rope(float *v, int64_t hd, const float *norm, float eps, const float *cos,
+                      const float *sin) {
+    if (norm) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < hd; i++) ss += v[i] * v[i];
+        const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+        for (int64_t i = 0; i < hd; i++) v[i] = norm[i] * (v[i] * r);
+    }
+    const int64_t h = hd / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + h] = b * cos[i + h] + a * sin[i + h];
+    }
+}
+
+/* qkv: [B, (H + 2 KV) * hd] straight from the fused projection (rotated in place).
+ * For row b the new token sits at position pos[b] of cache slot slots[b]; it is written there,
+ * then attends to positions 0..pos[b]. out: [B, H * hd]. */
+void sl_attention_decode(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                         const float *cos_table, const float *sin_table, const int64_t *pos,
+                         const int64_t *slots, float *kc, float *vc, int64_t capacity,
+                         const float *q_norm, const float *k_norm, float eps, float *out,
+                         int nthreads) {
+    const int64_t width = (H + 2 * KV) * hd, G = H / KV;
+    const int64_t head_stride = capacity * hd, slot_stride = KV * head_stride;
+    const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            float *row = qkv + b * width;
+            const float *c = cos_table + pos[b] * hd, *s = sin_table + pos[b] * hd;
+            for (int64_t h = 0; h < H; h++) norm_rope(row + h * hd, hd, q_norm, eps, c, s);
+            for (int64_t k = 0; k < KV; k++) {
+                float *key = row + (H + k) * hd, *val = row + (H + KV + k) * hd;
+                norm_rope(key, hd, k_norm, eps, c, s);
+                const int64_t at = slots[b] * slot_stride + k * head_stride + pos[b] * hd;
+                memcpy(kc + at, key, (size_t)hd * sizeof(float));
+                memcpy(vc + at, val, (size_t)hd * sizeof(float));
+            }
+        }
+        /* implicit barrier: every key is in the cache before anyone attends */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * KV; task++) {
+            const int64_t b = task / KV, k = task % KV, S = pos[b] + 1;
+            const float *keys = kc + slots[b] * slot_stride + k * head_stride;
+            const float *vals = vc + slots[b] * slot_stride + k * head_stride;
+            float *p = malloc((size_t)S * sizeof(float));
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t h = k * G + g;
+                const float *q = qkv + b * width + h * hd;
+                float *o = out + b * H * hd + h * hd;
+                float mx = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t < S; t++) {
+                    p[t] = dot_f32(q, keys + t * hd, hd) * scale;
+                    mx = p[t] > mx ? p[t] : mx;
+                }
+                for (int64_t t = 0; t < S; t++) {
+                    p[t] = expf(p[t] - mx);
+                    sum += p[t];
+                }
+                memset(o, 0, (size_t)hd * sizeof(float));
+                for (int64_t t = 0; t < S; t++) axpy_f32(p[t] / sum, vals + t * hd, o, hd);
+            }
+            free(p);
+        }
+    }
+}

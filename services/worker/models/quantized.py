@@ -1,0 +1,215 @@
+"""A Llama-family model's decode step on sluice's CPU kernels (Q4_1 / Q8_0 blocks).
+
+Owns packing a loaded ``LlamaModel``'s linears into 4-bit (Q4_1) blocks and its output head into
+8-bit (Q8_0) blocks, and ``QuantizedLlama``, which runs one-token-per-row decode steps through
+``services.worker.kernels``: nine calls per layer instead of ~50 torch ops. The math is the
+model's own (same RMSNorm, RoPE convention, GQA, SwiGLU, KV-cache layout), so the two paths share
+the cache and a sequence can prefill on one and decode on the other.
+
+Prefill (many tokens per row) stays on the dense fp32 model: there the work is GEMM-bound and
+MKL's fp32 GEMM beats block-quantized dot products, and the prompt's logits match the reference
+exactly. The dense weights are what the loader built anyway; the blocks add an eighth of that.
+
+Why Q4_1 for the blocks: a Q4_1 GGUF block is ``w = d * q + m`` over 32 weights, so
+re-quantizing its dequantized weights reproduces it (whenever the block spans 0..15, i.e.
+almost always). The head of the default model is its Q8_0 token embedding, likewise reproduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.worker.kernels import Kernels
+from services.worker.kv_cache import AttentionBatch, KVCache
+from services.worker.models.llama import Attention, Block, LlamaModel
+
+__all__ = ["PackedLinear", "QuantizedLlama", "pack_q4_1", "pack_q8_0", "supports"]
+
+QK = 32
+
+
+def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> nibbles (N, K/32, 16) uint8, scales and minimums (N, K/32) fp32."""
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // QK, QK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = (hi - lo) / 15.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = ((blocks - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # value j low, value j + 16 high
+    return nibbles.contiguous(), scale.contiguous(), lo.contiguous()
+
+
+def pack_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> int8 values (N, K) and one scale per 32 (N, K/32) fp32."""
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // QK, QK)
+    scale = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), scale.contiguous()
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether every block matmul of ``model`` splits into 32-value blocks (and it is fp32 CPU)."""
+    if not isinstance(model, LlamaModel):
+        return False
+    cfg = model.config
+    widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+    weight = model.embed_tokens.weight
+    return (
+        all(w % QK == 0 for w in widths)
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+    )
+
+
+class Activations:
+    """Rows quantized for a matmul: int8 values, per-block scales and scaled sums."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.q = torch.empty(rows, width, dtype=torch.int8)
+        self.d = torch.empty(rows, width // QK)
+        self.s = torch.empty(rows, width // QK)
+        self.tmp = torch.empty(rows, width)  # the fused kernels' fp32 scratch row
+        self.rows, self.width = rows, width
+
+
+class PackedLinear:
+    """``y (+)= x @ W.T + b`` on packed blocks: Q4_1 for block linears, Q8_0 for the head."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.fmt = fmt
+        if fmt == "q4_1":
+            self.q, self.d, self.m = pack_q4_1(weight)
+        else:
+            self.q, self.d = pack_q8_0(weight)
+            self.m = self.d  # unused by the Q8_0 kernel
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(
+        self, k: Kernels, x: Activations, y: torch.Tensor, *, accumulate: bool = False
+    ) -> None:
+        """Write (or add) the product for ``x``'s rows into ``y`` (rows, out_features) fp32."""
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        args = (x.rows, self.out_features, self.in_features, x.q.data_ptr(), x.d.data_ptr())
+        if self.fmt == "q4_1":
+            k.lib.sl_gemm_q4_1(
+                *args, x.s.data_ptr(), self.q.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+                bias, y.data_ptr(), int(accumulate), k.threads(),
+            )  # fmt: skip
+        else:
+            k.lib.sl_gemm_q8_0(
+                *args, self.q.data_ptr(), self.d.data_ptr(), bias, y.data_ptr(),
+                int(accumulate), k.threads(),
+            )  # fmt: skip
+
+
+@dataclass
+class PackedBlock:
+    """One transformer block's weights in the kernels' formats."""
+
+    input_norm: torch.Tensor  # (C,)
+    qkv: PackedLinear
+    q_norm: torch.Tensor | None  # (hd,) Qwen3 only
+    k_norm: torch.Tensor | None
+    o_proj: PackedLinear
+    post_norm: torch.Tensor  # (C,)
+    gate_up: PackedLinear
+    down: PackedLinear
+
+    @classmethod
+    def from_block(cls, block: Block) -> PackedBlock:
+        attn: Attention = block.self_attn
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return cls(
+            input_norm=block.input_layernorm.weight.detach().float().contiguous(),
+            qkv=PackedLinear(attn.qkv.weight, attn.qkv.bias, "q4_1"),
+            q_norm=None if q_norm is None else q_norm.weight.detach().float().contiguous(),
+            k_norm=None if k_norm is None else k_norm.weight.detach().float().contiguous(),
+            o_proj=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, "q4_1"),
+            post_norm=block.post_attention_layernorm.weight.detach().float().contiguous(),
+            gate_up=PackedLinear(block.mlp.gate_up.weight, None, "q4_1"),
+            down=PackedLinear(block.mlp.down_proj.weight, None, "q4_1"),
+        )
+
+
+class QuantizedLlama(nn.Module):
+    """``LlamaModel``'s forward with decode steps on the CPU kernels (same signature)."""
+
+    def __init__(self, model: LlamaModel, kernels: Kernels) -> None:
+        super().__init__()
+        self.model = model  # dense: embeddings, RoPE tables, and the prefill forward
+        self.config = model.config
+        self.kernels = kernels
+        self.blocks = [PackedBlock.from_block(b) for b in model.layers]  # type: ignore[arg-type]
+        self.final_norm = model.norm.weight.detach().float().contiguous()
+        self.head = PackedLinear(model.lm_head.weight, model.lm_head.bias, "q8_0")
+
+    def forward(
+        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
+    ) -> torch.Tensor:
+        """Logits (B, n_logits, V) fp32; one-token rows run on the kernels."""
+        if batch.t != 1 or n_logits != 1:
+            return self.model(idx, batch, cache, n_logits)
+        return self.decode(idx, batch, cache)
+
+    def decode(self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
+        """One new token per row: (B, 1) ids -> (B, 1, V) logits."""
+        k, cfg, n = self.kernels, self.config, self.kernels.threads()
+        B, C, eps = idx.shape[0], cfg.hidden_size, cfg.rms_norm_eps
+        H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = self.model.embed_tokens(idx.view(B)).contiguous()  # (B, C) residual stream
+        hidden = Activations(B, C)
+        mixed = Activations(B, H * hd)
+        inner = Activations(B, cfg.intermediate_size)
+        qkv = torch.empty(B, (H + 2 * KV) * hd)
+        attended = torch.empty(B, H * hd)
+        gate_up = torch.empty(B, 2 * cfg.intermediate_size)
+        positions = batch.start_index.contiguous()  # (B,) the new token's position
+        slots = batch.slot_index.contiguous()
+        cos, sin = self.model.rope_cos, self.model.rope_sin  # (ctx, hd) fp32
+        layer_elems = cache.slots * KV * cache.capacity * hd
+        for layer, blk in enumerate(self.blocks):
+            k.lib.sl_rmsnorm_quantize(
+                x.data_ptr(), blk.input_norm.data_ptr(), eps, B, C,
+                hidden.q.data_ptr(), hidden.d.data_ptr(), hidden.s.data_ptr(),
+                hidden.tmp.data_ptr(), n,
+            )  # fmt: skip
+            blk.qkv(k, hidden, qkv)
+            k.lib.sl_attention_decode(
+                B, H, KV, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                positions.data_ptr(), slots.data_ptr(),
+                cache.k.data_ptr() + 4 * layer * layer_elems,
+                cache.v.data_ptr() + 4 * layer * layer_elems, cache.capacity,
+                _ptr(blk.q_norm), _ptr(blk.k_norm), eps, attended.data_ptr(), n,
+            )  # fmt: skip
+            k.quantize(attended, mixed.q, mixed.d, mixed.s)
+            blk.o_proj(k, mixed, x, accumulate=True)
+            k.lib.sl_rmsnorm_quantize(
+                x.data_ptr(), blk.post_norm.data_ptr(), eps, B, C,
+                hidden.q.data_ptr(), hidden.d.data_ptr(), hidden.s.data_ptr(),
+                hidden.tmp.data_ptr(), n,
+            )  # fmt: skip
+            blk.gate_up(k, hidden, gate_up)
+            k.lib.sl_swiglu_quantize(
+                gate_up.data_ptr(), B, cfg.intermediate_size, inner.q.data_ptr(),
+                inner.d.data_ptr(), inner.s.data_ptr(), inner.tmp.data_ptr(), n,
+            )  # fmt: skip
+            blk.down(k, inner, x, accumulate=True)
+        k.lib.sl_rmsnorm_quantize(
+            x.data_ptr(), self.final_norm.data_ptr(), eps, B, C, hidden.q.data_ptr(),
+            hidden.d.data_ptr(), hidden.s.data_ptr(), hidden.tmp.data_ptr(), n,
+        )  # fmt: skip
+        logits = torch.empty(B, self.head.out_features)
+        self.head(k, hidden, logits)
+        return logits.view(B, 1, -1)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
