@@ -64,21 +64,25 @@ def _cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "sluice" / "kernels"
 
 
-def _library_path() -> Path:
+def _library_path(flags: list[str], directory: Path) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), platform.machine().encode()):
         key.update(part)
     key.update(_cpu_flags().encode())
-    return _cache_dir() / f"sluice_cpu-{key.hexdigest()[:16]}.so"
+    return directory / f"sluice_cpu-{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
+def build(flags: list[str] | None = None, directory: Path | None = None) -> Path:
     """Compile the library into the cache (no-op when it is there); return its path.
+
+    ``flags`` replaces ``FLAGS`` (the tests build the portable scalar variant without
+    ``-march=native``); ``directory`` replaces the cache directory.
 
     Raises:
         RuntimeError: no C compiler, or it failed (its output is in the message).
     """
-    target = _library_path()
+    flags = FLAGS if flags is None else flags
+    target = _library_path(flags, directory or _cache_dir())
     if target.exists():
         return target
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -88,7 +92,7 @@ def build() -> Path:
     # Build beside the target and rename: two workers starting together never load a half file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [cc, *flags, "-o", tmp, str(SOURCE), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         Path(tmp).unlink(missing_ok=True)

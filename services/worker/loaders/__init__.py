@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from services.worker.models.llama import LlamaModel
+from services.worker.kernels import Kernels
 from services.worker.models.quantized import QuantizedLlama
 from shared.model_card import ModelCard
 
@@ -143,16 +144,15 @@ def build_card(
     )
 
 
-def quantize_for_cpu(model: LlamaModel) -> LlamaModel | QuantizedLlama:
-    """Decode from 4-bit blocks: sluice's CPU kernels when they build here, else torch's int4.
+def quantize_for_cpu(model: LlamaModel, k: Kernels | None) -> LlamaModel | QuantizedLlama:
+    """Decode from 4-bit blocks: sluice's CPU kernels ``k`` when they built here, else torch's
+    int4 kernels (slower: about a third of the speed at one stream).
 
     The kernels path keeps the dense model for prefill (see ``models.quantized``); torch's int4
     path replaces the block linears in place.
     """
-    from services.worker import kernels
     from services.worker.models.quantized import supports
 
-    k = kernels.load()
     if k is not None and k.vectorized and supports(model):
         return QuantizedLlama(model, k)
     from services.worker.models.quant import quantize_linears
@@ -202,7 +202,9 @@ def load_model(
     # auto on CPU: a 4-bit GGUF decodes from 4-bit blocks (its weights are that format already).
     ready: LlamaModel | QuantizedLlama = model
     if dtype == "int4" or (dtype == "auto" and dev.type == "cpu" and four_bit):
-        ready = quantize_for_cpu(model)
+        from services.worker import kernels
+
+        ready = quantize_for_cpu(model, kernels.load())
     return LoadedModel(
         model=ready,
         tokenizer=tokenizer,
