@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from services.worker.models.llama import LlamaModel
 from services.worker.kernels import Kernels
+from services.worker.models.llama import LlamaModel
 from services.worker.models.quantized import QuantizedLlama
 from shared.model_card import ModelCard
 
