@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Kernels", "build", "load"]
+__all__ = ["Kernels", "Layer", "Linear", "Model", "Scratch", "build", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,66 @@ SIGNATURES: dict[str, list[type]] = {
     "sl_swiglu_quantize": [_P, _I, _I, _P, _P, _P, _P, c_int],
     "sl_gemm_q4_1": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
     "sl_gemm_q8_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, c_int, c_int],
-    "sl_attention_decode": [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, c_int],
+    "sl_attention_decode": [
+        *(_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _I, c_int)
+    ],
+    "sl_decode": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, c_int],
 }
+
+
+class Linear(ctypes.Structure):
+    """``sl_linear``: a packed linear's buffers (Q4_1, or Q8_0 for the head)."""
+
+    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("bias", _P), ("n", _I), ("k", _I)]
+
+
+class Layer(ctypes.Structure):
+    """``sl_layer``: one block's norms and linears."""
+
+    _fields_ = [
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("qkv", Linear),
+        ("o", Linear),
+        ("gate_up", Linear),
+        ("down", Linear),
+    ]
+
+
+class Model(ctypes.Structure):
+    """``sl_model``: shapes, RoPE tables, layers and the head."""
+
+    _fields_ = [
+        ("layers", _I),
+        ("hidden", _I),
+        ("inner", _I),
+        ("heads", _I),
+        ("kv_heads", _I),
+        ("head_dim", _I),
+        ("eps", _F),
+        ("cos", _P),
+        ("sin", _P),
+        ("final_norm", _P),
+        ("layer", ctypes.POINTER(Layer)),
+        ("head", Linear),
+    ]
+
+
+class Scratch(ctypes.Structure):
+    """``sl_scratch``: one step's buffers."""
+
+    _fields_ = [
+        ("xq", _P),
+        ("xd", _P),
+        ("xs", _P),
+        ("tmp", _P),
+        ("qkv", _P),
+        ("attended", _P),
+        ("gate_up", _P),
+        ("scores", _P),
+    ]
 
 
 def _cpu_flags() -> str:

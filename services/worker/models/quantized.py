@@ -17,12 +17,13 @@ almost always). The head of the default model is its Q8_0 token embedding, likew
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from services.worker.kernels import Kernels
+from services.worker.kernels import Kernels, Layer, Linear, Model, Scratch
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.models.llama import Attention, Block, LlamaModel
 
@@ -91,6 +92,17 @@ class PackedLinear:
             self.m = self.d  # unused by the Q8_0 kernel
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
+    def struct(self) -> Linear:
+        """The kernels' view of this linear (the tensors must outlive it)."""
+        return Linear(
+            self.q.data_ptr(),
+            self.d.data_ptr(),
+            self.m.data_ptr(),
+            _ptr(self.bias),
+            self.out_features,
+            self.in_features,
+        )
+
     def __call__(
         self, k: Kernels, x: Activations, y: torch.Tensor, *, accumulate: bool = False
     ) -> None:
@@ -138,6 +150,19 @@ class PackedBlock:
             down=PackedLinear(block.mlp.down_proj.weight, None, "q4_1"),
         )
 
+    def struct(self) -> Layer:
+        """The kernels' view of this block (the tensors must outlive it)."""
+        return Layer(
+            self.input_norm.data_ptr(),
+            self.post_norm.data_ptr(),
+            _ptr(self.q_norm),
+            _ptr(self.k_norm),
+            self.qkv.struct(),
+            self.o_proj.struct(),
+            self.gate_up.struct(),
+            self.down.struct(),
+        )
+
 
 class QuantizedLlama(nn.Module):
     """``LlamaModel``'s forward with decode steps on the CPU kernels (same signature)."""
@@ -145,11 +170,28 @@ class QuantizedLlama(nn.Module):
     def __init__(self, model: LlamaModel, kernels: Kernels) -> None:
         super().__init__()
         self.model = model  # dense: embeddings, RoPE tables, and the prefill forward
-        self.config = model.config
+        self.config = cfg = model.config
         self.kernels = kernels
         self.blocks = [PackedBlock.from_block(b) for b in model.layers]  # type: ignore[arg-type]
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.head = PackedLinear(model.lm_head.weight, model.lm_head.bias, "q8_0")
+        self.rope = (model.rope_cos.contiguous(), model.rope_sin.contiguous())  # (ctx, hd) fp32
+        self.layer_structs = (Layer * len(self.blocks))(*(b.struct() for b in self.blocks))
+        self.struct = Model(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            self.rope[0].data_ptr(),
+            self.rope[1].data_ptr(),
+            self.final_norm.data_ptr(),
+            self.layer_structs,
+            self.head.struct(),
+        )
+        self.scratch: dict[int, tuple[Scratch, list[torch.Tensor]]] = {}
 
     def forward(
         self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
@@ -159,55 +201,49 @@ class QuantizedLlama(nn.Module):
             return self.model(idx, batch, cache, n_logits)
         return self.decode(idx, batch, cache)
 
+    def _scratch(self, rows: int, span: int) -> Scratch:
+        """Buffers for ``rows`` rows attending over up to ``span`` keys (reused across steps)."""
+        cfg = self.config
+        held = self.scratch.get(rows)
+        if held is None or held[1][-1].numel() < rows * cfg.num_heads * span:
+            width = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+            tensors = [
+                torch.empty(rows, width, dtype=torch.int8),  # xq
+                torch.empty(rows, width // QK),  # xd
+                torch.empty(rows, width // QK),  # xs
+                torch.empty(rows, width),  # tmp
+                torch.empty(rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim),
+                torch.empty(rows, cfg.num_heads * cfg.head_dim),  # attended
+                torch.empty(rows, 2 * cfg.intermediate_size),  # gate_up
+                torch.empty(rows * cfg.num_heads * max(span, 256) * 2),  # scores
+            ]
+            held = (Scratch(*(t.data_ptr() for t in tensors)), tensors)
+            self.scratch[rows] = held
+        return held[0]
+
     def decode(self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
-        """One new token per row: (B, 1) ids -> (B, 1, V) logits."""
-        k, cfg, n = self.kernels, self.config, self.kernels.threads()
-        B, C, eps = idx.shape[0], cfg.hidden_size, cfg.rms_norm_eps
-        H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        """One new token per row: (B, 1) ids -> (B, 1, V) logits, in one call to the kernels."""
+        B = idx.shape[0]
         x = self.model.embed_tokens(idx.view(B)).contiguous()  # (B, C) residual stream
-        hidden = Activations(B, C)
-        mixed = Activations(B, H * hd)
-        inner = Activations(B, cfg.intermediate_size)
-        qkv = torch.empty(B, (H + 2 * KV) * hd)
-        attended = torch.empty(B, H * hd)
-        gate_up = torch.empty(B, 2 * cfg.intermediate_size)
+        logits = torch.empty(B, self.head.out_features)
         positions = batch.start_index.contiguous()  # (B,) the new token's position
         slots = batch.slot_index.contiguous()
-        cos, sin = self.model.rope_cos, self.model.rope_sin  # (ctx, hd) fp32
-        layer_elems = cache.slots * KV * cache.capacity * hd
-        for layer, blk in enumerate(self.blocks):
-            k.lib.sl_rmsnorm_quantize(
-                x.data_ptr(), blk.input_norm.data_ptr(), eps, B, C,
-                hidden.q.data_ptr(), hidden.d.data_ptr(), hidden.s.data_ptr(),
-                hidden.tmp.data_ptr(), n,
-            )  # fmt: skip
-            blk.qkv(k, hidden, qkv)
-            k.lib.sl_attention_decode(
-                B, H, KV, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                positions.data_ptr(), slots.data_ptr(),
-                cache.k.data_ptr() + 4 * layer * layer_elems,
-                cache.v.data_ptr() + 4 * layer * layer_elems, cache.capacity,
-                _ptr(blk.q_norm), _ptr(blk.k_norm), eps, attended.data_ptr(), n,
-            )  # fmt: skip
-            k.quantize(attended, mixed.q, mixed.d, mixed.s)
-            blk.o_proj(k, mixed, x, accumulate=True)
-            k.lib.sl_rmsnorm_quantize(
-                x.data_ptr(), blk.post_norm.data_ptr(), eps, B, C,
-                hidden.q.data_ptr(), hidden.d.data_ptr(), hidden.s.data_ptr(),
-                hidden.tmp.data_ptr(), n,
-            )  # fmt: skip
-            blk.gate_up(k, hidden, gate_up)
-            k.lib.sl_swiglu_quantize(
-                gate_up.data_ptr(), B, cfg.intermediate_size, inner.q.data_ptr(),
-                inner.d.data_ptr(), inner.s.data_ptr(), inner.tmp.data_ptr(), n,
-            )  # fmt: skip
-            blk.down(k, inner, x, accumulate=True)
-        k.lib.sl_rmsnorm_quantize(
-            x.data_ptr(), self.final_norm.data_ptr(), eps, B, C, hidden.q.data_ptr(),
-            hidden.d.data_ptr(), hidden.s.data_ptr(), hidden.tmp.data_ptr(), n,
-        )  # fmt: skip
-        logits = torch.empty(B, self.head.out_features)
-        self.head(k, hidden, logits)
+        span = int(batch.span)
+        self.kernels.lib.sl_decode(
+            ctypes.byref(self.struct),
+            B,
+            x.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            cache.k.data_ptr(),
+            cache.v.data_ptr(),
+            cache.slots,
+            cache.capacity,
+            span,
+            ctypes.byref(self._scratch(B, span)),
+            logits.data_ptr(),
+            self.kernels.threads(),
+        )
         return logits.view(B, 1, -1)
 
 
