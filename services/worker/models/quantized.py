@@ -6,9 +6,10 @@ Owns packing a loaded ``LlamaModel``'s linears into 4-bit (Q4_1) blocks and its 
 model's own (same RMSNorm, RoPE convention, GQA, SwiGLU, KV-cache layout), so the two paths share
 the cache and a sequence can prefill on one and decode on the other.
 
-Prefill (many tokens per row) stays on the dense fp32 model: there the work is GEMM-bound and
-MKL's fp32 GEMM beats block-quantized dot products, and the prompt's logits match the reference
-exactly. The dense weights are what the loader built anyway; the blocks add an eighth of that.
+Prefill (many tokens per row) stays on the dense fp32 model: there the work is GEMM-bound, and
+fp32 FMA GEMM beats block-quantized int8 dot products on AVX2 (8 multiply-adds per instruction
+against ~4 once the per-block scales are paid). Its linears are pre-packed for oneDNN once. The
+dense weights are what the loader built anyway; the blocks add an eighth of that.
 
 Why Q4_1 for the blocks: a Q4_1 GGUF block is ``w = d * q + m`` over 32 weights, so
 re-quantizing its dequantized weights reproduces it (whenever the block spans 0..15, i.e.
@@ -27,7 +28,15 @@ from services.worker.kernels import Kernels, Layer, Linear, Model, Scratch
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.models.llama import Attention, Block, LlamaModel
 
-__all__ = ["PackedLinear", "QuantizedLlama", "pack_q4_1", "pack_q8_0", "supports"]
+__all__ = [
+    "PackedLinear",
+    "PrepackedLinear",
+    "QuantizedLlama",
+    "pack_q4_1",
+    "pack_q8_0",
+    "prepack_dense",
+    "supports",
+]
 
 QK = 32
 
@@ -121,6 +130,45 @@ class PackedLinear:
             )  # fmt: skip
 
 
+class PrepackedLinear(nn.Module):
+    """A dense fp32 linear with its weight pre-packed for oneDNN (the prefill GEMMs).
+
+    ``F.linear`` re-packs the weight on every call; at prefill sizes (tens to hundreds of rows)
+    that costs 5-30 % of the GEMM on a 2-core AVX2 machine (measured, docs/benchmarks.md).
+    """
+
+    def __init__(self, linear: nn.Linear, rows_hint: int) -> None:
+        super().__init__()
+        w = linear.weight.detach().float().contiguous()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.out_features = w.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape  # (..., K)
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, shape[-1]).contiguous(), self.weight, self.bias, "none", [], ""
+        )
+        return y.view(*shape[:-1], self.out_features)
+
+
+def prepack_dense(model: LlamaModel, rows_hint: int = 512) -> int:
+    """Swap the block linears of ``model`` for ``PrepackedLinear``; returns how many (0 when
+    this torch has no oneDNN, and the model keeps ``nn.Linear``)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    ):
+        return 0
+    count = 0
+    for block in model.layers:
+        for parent in block.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, PrepackedLinear(child, rows_hint))
+                    count += 1
+    return count
+
+
 @dataclass
 class PackedBlock:
     """One transformer block's weights in the kernels' formats."""
@@ -173,6 +221,7 @@ class QuantizedLlama(nn.Module):
         self.config = cfg = model.config
         self.kernels = kernels
         self.blocks = [PackedBlock.from_block(b) for b in model.layers]  # type: ignore[arg-type]
+        prepack_dense(model)  # after packing the blocks: it replaces the nn.Linear modules
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.head = PackedLinear(model.lm_head.weight, model.lm_head.bias, "q8_0")
         self.rope = (model.rope_cos.contiguous(), model.rope_sin.contiguous())  # (ctx, hd) fp32
