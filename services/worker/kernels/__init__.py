@@ -151,7 +151,11 @@ def build(flags: list[str] | None = None, directory: Path | None = None) -> Path
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [cc, *flags, "-o", tmp, str(SOURCE), "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:  # the compiler named by CC cannot be run
+        Path(tmp).unlink(missing_ok=True)
+        raise RuntimeError(f"cannot run the C compiler {cc!r}: {exc}") from exc
     if done.returncode != 0:
         Path(tmp).unlink(missing_ok=True)
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
