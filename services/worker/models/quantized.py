@@ -36,21 +36,43 @@ __all__ = [
     "pack_q8_0",
     "prepack_dense",
     "supports",
+    "unpack_q4_1",
 ]
 
 QK = 32
 
 
 def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) weights -> nibbles (N, K/32, 16) uint8, scales and minimums (N, K/32) fp32."""
+    """(N, K) weights -> Q4_1 with eight rows interleaved (the layout ``sluice_cpu.c`` reads).
+
+    Returns nibbles (N/8, K/32 * 128) uint8, scales and minimums (N/8, K/32, 8) fp32. In each
+    128-byte block, byte ``32 j + 4 r + i`` holds row r's value ``4 j + i`` (low nibble) and
+    value ``16 + 4 j + i`` (high nibble).
+    """
     n, k = w.shape
-    blocks = w.detach().float().reshape(n, k // QK, QK)
+    g, nb = n // 8, k // QK
+    blocks = w.detach().float().reshape(n, nb, QK)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
     scale = (hi - lo) / 15.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = ((blocks - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)  # value j low, value j + 16 high
-    return nibbles.contiguous(), scale.contiguous(), lo.contiguous()
+    q = q.view(g, 8, nb, QK).permute(0, 2, 1, 3)  # (G, nb, row, 32)
+    low, high = q[..., :16].reshape(g, nb, 8, 4, 4), q[..., 16:].reshape(g, nb, 8, 4, 4)
+    nibbles = (low | (high << 4)).permute(0, 1, 3, 2, 4)  # (G, nb, j, row, i)
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        return t.view(g, 8, nb).permute(0, 2, 1).contiguous()  # (G, nb, row)
+
+    return nibbles.reshape(g, nb * 128).contiguous(), by_group(scale), by_group(lo)
+
+
+def unpack_q4_1(nibbles: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The (N, K) weights that ``pack_q4_1``'s output encodes (its inverse on the 4-bit grid)."""
+    g, nb = scale.shape[0], scale.shape[1]
+    b = nibbles.view(g, nb, 4, 8, 4).permute(0, 1, 3, 2, 4)  # (G, nb, row, j, i)
+    q = torch.cat([(b & 0x0F).reshape(g, nb, 8, 16), (b >> 4).reshape(g, nb, 8, 16)], -1)
+    w = q.float() * scale[..., None] + low[..., None]  # (G, nb, row, 32)
+    return w.permute(0, 2, 1, 3).reshape(g * 8, nb * QK)
 
 
 def pack_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,14 +86,18 @@ def pack_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def supports(model: nn.Module) -> bool:
-    """Whether every block matmul of ``model`` splits into 32-value blocks (and it is fp32 CPU)."""
+    """Whether the kernels fit ``model``: fp32 on CPU, every block matmul's inputs split into
+    32-value blocks and its outputs into groups of eight rows."""
     if not isinstance(model, LlamaModel):
         return False
     cfg = model.config
     widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+    outputs = (cfg.hidden_size, 2 * cfg.intermediate_size, (cfg.num_heads + 2 * cfg.num_kv_heads))
     weight = model.embed_tokens.weight
     return (
         all(w % QK == 0 for w in widths)
+        and all(o % 8 == 0 for o in outputs[:2])
+        and outputs[2] * cfg.head_dim % 8 == 0
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
     )

@@ -30,6 +30,7 @@ from services.worker.models.quantized import (
     pack_q4_1,
     pack_q8_0,
     supports,
+    unpack_q4_1,
 )
 from tests.worker_models import ARCH_MODEL_TYPE, model_cache, random_model
 
@@ -103,17 +104,40 @@ def _assert_quantized(
 
 
 def _q4_1_grid(n: int, kk: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Weights exactly on a Q4_1 grid: values q (N, K) 0..15 spanning each block, scales d and
-    minimums m (N, K/32), nibbles packed as the kernel reads them, and w = d * q + m (fp32)."""
+    """Weights exactly on a Q4_1 grid (N a multiple of 8): values q (N, K) 0..15 spanning each
+    block, scales d and minimums m (N, K/32), the kernel's interleaved layout (nibbles
+    (N/8, K/32 * 128), scales and minimums (N/8, K/32, 8)), and w = d * q + m (fp32)."""
     g = _gen(seed)
     q = torch.randint(0, 16, (n, kk // QK, QK), generator=g)
     q[..., 0], q[..., 7] = 0, 15  # every block spans the whole range
     d = torch.rand(n, kk // QK, generator=g) * 0.1 + 0.01
     mn = torch.randn(n, kk // QK, generator=g) * 0.1
     w = (d[..., None] * q.float() + mn[..., None]).view(n, kk)
-    qb = q.to(torch.uint8)
-    nibbles = (qb[..., :16] | (qb[..., 16:] << 4)).contiguous()  # value j low, j + 16 high
-    return q.view(n, kk), d, mn, nibbles, w
+    nibbles, d8, mn8 = _interleave(q, d, mn)
+    return q.view(n, kk), d8, mn8, nibbles, w
+
+
+def _interleave(
+    q: torch.Tensor, d: torch.Tensor, mn: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout sluice_cpu.c documents, written out element by element: for rows 8g..8g+7 and
+    block b, byte 32 j + 4 r + i = value 4 j + i of row r | value 16 + 4 j + i << 4."""
+    n, nb = q.shape[0], q.shape[1]
+    out = torch.zeros(n // 8, nb, 128, dtype=torch.uint8)
+    for gi in range(n // 8):
+        for b in range(nb):
+            for j in range(4):
+                for r in range(8):
+                    for i in range(4):
+                        row = q[8 * gi + r, b]
+                        out[gi, b, 32 * j + 4 * r + i] = (
+                            int(row[4 * j + i]) | int(row[16 + 4 * j + i]) << 4
+                        )
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n // 8, 8, nb).permute(0, 2, 1).contiguous()
+
+    return out.view(n // 8, nb * 128), grouped(d), grouped(mn)
 
 
 def _q8_0_grid(n: int, kk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,7 +252,7 @@ def _gemm_q4_1(
     y: torch.Tensor,
     accumulate: bool,
 ) -> None:
-    n = nibbles.shape[0]
+    n = nibbles.shape[0] * 8
     k.lib.sl_gemm_q4_1(
         a.rows, n, a.width, a.q.data_ptr(), a.d.data_ptr(), a.s.data_ptr(), nibbles.data_ptr(),
         d.data_ptr(), mn.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
@@ -323,30 +347,23 @@ def test_packed_linear_matches_dense_linear_on_grid(k: Kernels) -> None:
 # ---- packing ----------------------------------------------------------------------------------
 
 
-def _unpack_q4_1(nibbles: torch.Tensor) -> torch.Tensor:
-    lo, hi = nibbles & 0x0F, nibbles >> 4
-    return torch.cat([lo, hi], dim=-1).long()  # (N, nb, 32)
-
-
 def test_pack_q4_1_round_trips_grid_weights() -> None:
-    n, kk = 20, 128
-    q, d, mn, nibbles, w = _q4_1_grid(n, kk, seed=100)
+    n, kk = 24, 128
+    _, d, mn, nibbles, w = _q4_1_grid(n, kk, seed=100)
     packed, scale, lo = pack_q4_1(w)
-    assert packed.shape == (n, kk // QK, 16) and packed.dtype == torch.uint8
-    assert scale.shape == lo.shape == (n, kk // QK)
-    assert torch.equal(_unpack_q4_1(packed).view(n, kk), q)
+    assert packed.shape == (n // 8, kk // QK * 128) and packed.dtype == torch.uint8
+    assert scale.shape == lo.shape == (n // 8, kk // QK, 8)
     assert torch.equal(packed, nibbles)
     assert torch.equal(lo, mn)  # the minimum is the q = 0 weight, exactly
     torch.testing.assert_close(scale, d, rtol=1e-5, atol=0.0)
-    again = (scale[..., None] * _unpack_q4_1(packed).float() + lo[..., None]).view(n, kk)
-    torch.testing.assert_close(again, w, rtol=0.0, atol=1e-6)
+    torch.testing.assert_close(unpack_q4_1(packed, scale, lo), w, rtol=0.0, atol=1e-6)
 
 
 def test_pack_q4_1_constant_block_is_its_minimum() -> None:
-    w = torch.full((2, 32), 0.75)
+    w = torch.full((8, 32), 0.75)
     packed, scale, lo = pack_q4_1(w)
-    assert torch.equal(scale, torch.zeros(2, 1)) and torch.equal(lo, torch.full((2, 1), 0.75))
-    assert torch.equal(packed, torch.zeros(2, 1, 16, dtype=torch.uint8))
+    assert torch.equal(scale, torch.zeros(1, 1, 8)) and torch.equal(lo, torch.full((1, 1, 8), 0.75))
+    assert torch.equal(packed, torch.zeros(1, 128, dtype=torch.uint8))
 
 
 def test_pack_q8_0_round_trips_grid_weights() -> None:
@@ -471,9 +488,7 @@ def _snap_to_grid(model: LlamaModel) -> None:
                 block.mlp.down_proj,
             ):
                 w = linear.weight
-                nib, scale, lo = pack_q4_1(w)
-                deq = scale[..., None] * _unpack_q4_1(nib).float() + lo[..., None]
-                w.copy_(deq.view_as(w))
+                w.copy_(unpack_q4_1(*pack_q4_1(w)))
         head = model.lm_head.weight
         q, scale = pack_q8_0(head)
         head.copy_((q.float().view(head.shape[0], -1, QK) * scale[..., None]).view_as(head))
