@@ -30,7 +30,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Kernels", "Layer", "Linear", "Model", "Scratch", "build", "load"]
+__all__ = [
+    "Activations",
+    "Kernels",
+    "Layer",
+    "Linear",
+    "Model",
+    "Scratch",
+    "build",
+    "load",
+]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +172,22 @@ def build(flags: list[str] | None = None, directory: Path | None = None) -> Path
     return target
 
 
+QK = 32  # values per quantization block
+
+
+class Activations:
+    """Rows quantized for a matmul: int8 values, per-block scales and scaled sums, plus the
+    fused kernels' fp32 scratch. Sized for ``width``; a use with K <= width packs rows at
+    stride K."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.q = torch.empty(rows, width, dtype=torch.int8)
+        self.d = torch.empty(rows, width // QK)
+        self.s = torch.empty(rows, width // QK)
+        self.tmp = torch.empty(rows, width)
+        self.rows, self.width = rows, width
+
+
 class Kernels:
     """The loaded library, with wrappers that pass tensors by address (no copies, no checks
     beyond what the callers' shapes already guarantee)."""
@@ -179,14 +204,30 @@ class Kernels:
     def threads() -> int:
         return torch.get_num_threads()
 
-    def quantize(
-        self, x: torch.Tensor, xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor
-    ) -> None:
-        """Quantize rows of ``x`` (M, K) fp32 into ``xq``/``xd``/``xs``."""
+    def quantize(self, x: torch.Tensor, out: Activations) -> None:
+        """Quantize rows of ``x`` (M, K) fp32, M == out.rows."""
         m, k = x.shape
         self.lib.sl_quantize(
-            x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), self.threads()
+            x.data_ptr(), m, k, out.q.data_ptr(), out.d.data_ptr(), out.s.data_ptr(), self.threads()
         )
+
+    def rmsnorm_quantize(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: Activations
+    ) -> None:
+        """Quantize ``RMSNorm(x) * weight`` for rows of ``x`` (M, K) fp32."""
+        m, k = x.shape
+        self.lib.sl_rmsnorm_quantize(
+            x.data_ptr(), weight.data_ptr(), eps, m, k, out.q.data_ptr(), out.d.data_ptr(),
+            out.s.data_ptr(), out.tmp.data_ptr(), self.threads(),
+        )  # fmt: skip
+
+    def swiglu_quantize(self, gate_up: torch.Tensor, out: Activations) -> None:
+        """Quantize ``silu(gate) * up`` for rows of ``gate_up`` (M, 2 I) fp32."""
+        m, two_i = gate_up.shape
+        self.lib.sl_swiglu_quantize(
+            gate_up.data_ptr(), m, two_i // 2, out.q.data_ptr(), out.d.data_ptr(),
+            out.s.data_ptr(), out.tmp.data_ptr(), self.threads(),
+        )  # fmt: skip
 
 
 _loaded: Kernels | None = None

@@ -83,6 +83,35 @@ static inline __m256i unpack_q4(const uint8_t *p) {
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
+#if SL_AVX2
+        /* the same arithmetic as the scalar loop: cvtps rounds half to even, as lrintf does */
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float vscale = _mm_cvtss_f32(m4) / 127.0f;
+        const __m256 vinv = _mm256_set1_ps(vscale > 0.0f ? 1.0f / vscale : 0.0f);
+        __m256i i32[4];
+        for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
+        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                               _mm256_add_epi32(i32[2], i32[3]));
+        /* packs interleave 128-bit lanes; the permute puts the 32 bytes back in order */
+        const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+        const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), i8);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        d[b] = vscale;
+        s[b] = vscale * (float)_mm_cvtsi128_si32(s4);
+        continue;
+#endif
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) {
             float a = fabsf(xb[i]);

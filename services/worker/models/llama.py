@@ -165,8 +165,22 @@ class Attention(nn.Module):
         batch: AttentionBatch,
         cache: KVCache,
     ) -> torch.Tensor:
-        B, T, _ = x.shape  # (B, T, C)
-        qkv = self.qkv(x)  # (B, T, (H + 2 KV) * hd)
+        return self.o_proj(self.attend(self.qkv(x), cos, sin, batch, cache))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Projected (B, T, (H + 2 KV) * hd) -> attention output (B, T, H * hd), before o_proj.
+
+        Split out so the CPU kernels' prefill (``models.quantized``) reuses it around its own
+        projections.
+        """
+        B, T, _ = qkv.shape
         q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
         q = q.view(B, T, self.n_head, self.hd)  # (B, T, H, hd)
         k = k.view(B, T, self.n_kv, self.hd)  # (B, T, KV, hd)
@@ -189,8 +203,7 @@ class Attention(nn.Module):
                 is_causal=batch.causal,
                 enable_gqa=self.n_kv != self.n_head,
             )  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)  # (B, T, C)
-        return self.o_proj(y)
+        return y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)  # (B, T, H * hd)
 
 
 class MLP(nn.Module):

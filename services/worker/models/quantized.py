@@ -6,10 +6,9 @@ Owns packing a loaded ``LlamaModel``'s linears into 4-bit (Q4_1) blocks and its 
 model's own (same RMSNorm, RoPE convention, GQA, SwiGLU, KV-cache layout), so the two paths share
 the cache and a sequence can prefill on one and decode on the other.
 
-Prefill (many tokens per row) stays on the dense fp32 model: there the work is GEMM-bound, and
-fp32 FMA GEMM beats block-quantized int8 dot products on AVX2 (8 multiply-adds per instruction
-against ~4 once the per-block scales are paid). Its linears are pre-packed for oneDNN once. The
-dense weights are what the loader built anyway; the blocks add an eighth of that.
+Prefill (many tokens per row) runs the same kernels for every matmul (the interleaved Q4_1 GEMM
+beats oneDNN's fp32 GEMM by ~1.5x at prefill sizes on AVX2) and the dense model's own
+``Attention.attend`` (torch SDPA) for attention. The dense linears are then freed.
 
 Why Q4_1 for the blocks: a Q4_1 GGUF block is ``w = d * q + m`` over 32 weights, so
 re-quantizing its dequantized weights reproduces it (whenever the block spans 0..15, i.e.
@@ -20,21 +19,21 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
-from services.worker.kernels import Kernels, Layer, Linear, Model, Scratch
+from services.worker.kernels import Activations, Kernels, Layer, Linear, Model, Scratch
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.models.llama import Attention, Block, LlamaModel
 
 __all__ = [
+    "Activations",
     "PackedLinear",
-    "PrepackedLinear",
     "QuantizedLlama",
     "pack_q4_1",
     "pack_q8_0",
-    "prepack_dense",
     "supports",
     "unpack_q4_1",
 ]
@@ -103,17 +102,6 @@ def supports(model: nn.Module) -> bool:
     )
 
 
-class Activations:
-    """Rows quantized for a matmul: int8 values, per-block scales and scaled sums."""
-
-    def __init__(self, rows: int, width: int) -> None:
-        self.q = torch.empty(rows, width, dtype=torch.int8)
-        self.d = torch.empty(rows, width // QK)
-        self.s = torch.empty(rows, width // QK)
-        self.tmp = torch.empty(rows, width)  # the fused kernels' fp32 scratch row
-        self.rows, self.width = rows, width
-
-
 class PackedLinear:
     """``y (+)= x @ W.T + b`` on packed blocks: Q4_1 for block linears, Q8_0 for the head."""
 
@@ -154,45 +142,6 @@ class PackedLinear:
                 *args, self.q.data_ptr(), self.d.data_ptr(), bias, y.data_ptr(),
                 int(accumulate), k.threads(),
             )  # fmt: skip
-
-
-class PrepackedLinear(nn.Module):
-    """A dense fp32 linear with its weight pre-packed for oneDNN (the prefill GEMMs).
-
-    ``F.linear`` re-packs the weight on every call; at prefill sizes (tens to hundreds of rows)
-    that costs 5-30 % of the GEMM on a 2-core AVX2 machine (measured, docs/benchmarks.md).
-    """
-
-    def __init__(self, linear: nn.Linear, rows_hint: int) -> None:
-        super().__init__()
-        w = linear.weight.detach().float().contiguous()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self.out_features = w.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape  # (..., K)
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, shape[-1]).contiguous(), self.weight, self.bias, "none", [], ""
-        )
-        return y.view(*shape[:-1], self.out_features)
-
-
-def prepack_dense(model: LlamaModel, rows_hint: int = 512) -> int:
-    """Swap the block linears of ``model`` for ``PrepackedLinear``; returns how many (0 when
-    this torch has no oneDNN, and the model keeps ``nn.Linear``)."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
-    ):
-        return 0
-    count = 0
-    for block in model.layers:
-        for parent in block.modules():
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, PrepackedLinear(child, rows_hint))
-                    count += 1
-    return count
 
 
 @dataclass
@@ -246,10 +195,12 @@ class QuantizedLlama(nn.Module):
         self.model = model  # dense: embeddings, RoPE tables, and the prefill forward
         self.config = cfg = model.config
         self.kernels = kernels
-        self.blocks = [PackedBlock.from_block(b) for b in model.layers]  # type: ignore[arg-type]
-        prepack_dense(model)  # after packing the blocks: it replaces the nn.Linear modules
+        layers = [cast(Block, b) for b in model.layers]
+        self.blocks = [PackedBlock.from_block(b) for b in layers]
+        self.attention = [b.self_attn for b in layers]  # prefill reuses Attention.attend
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.head = PackedLinear(model.lm_head.weight, model.lm_head.bias, "q8_0")
+        _release_dense(model)  # after every PackedLinear above has copied what it needs
         self.rope = (model.rope_cos.contiguous(), model.rope_sin.contiguous())  # (ctx, hd) fp32
         self.layer_structs = (Layer * len(self.blocks))(*(b.struct() for b in self.blocks))
         self.struct = Model(
@@ -271,10 +222,41 @@ class QuantizedLlama(nn.Module):
     def forward(
         self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
     ) -> torch.Tensor:
-        """Logits (B, n_logits, V) fp32; one-token rows run on the kernels."""
-        if batch.t != 1 or n_logits != 1:
-            return self.model(idx, batch, cache, n_logits)
-        return self.decode(idx, batch, cache)
+        """Logits (B, n_logits, V) fp32 of the last ``n_logits`` positions of each row."""
+        if batch.t == 1 and n_logits == 1:
+            return self.decode(idx, batch, cache)
+        return self.prefill(idx, batch, cache, n_logits)
+
+    def prefill(
+        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int
+    ) -> torch.Tensor:
+        """Many tokens per row: the projections and MLP on the kernels, attention in torch
+        (the dense model's own ``Attention.attend``: causal SDPA over the cache)."""
+        k, cfg = self.kernels, self.config
+        B, T = idx.shape
+        rows, C, eps = B * T, cfg.hidden_size, cfg.rms_norm_eps
+        x = self.model.embed_tokens(idx).view(rows, C).contiguous()  # residual stream
+        act = Activations(rows, max(C, cfg.intermediate_size, cfg.num_heads * cfg.head_dim))
+        qkv = torch.empty(rows, self.blocks[0].qkv.out_features)
+        gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
+        cos = self.rope[0][batch.positions].unsqueeze(1)  # (B, 1, T, hd)
+        sin = self.rope[1][batch.positions].unsqueeze(1)
+        for blk, attention in zip(self.blocks, self.attention, strict=True):
+            k.rmsnorm_quantize(x, blk.input_norm, eps, act)
+            blk.qkv(k, act, qkv)
+            y = attention.attend(qkv.view(B, T, -1), cos, sin, batch, cache)  # (B, T, H hd)
+            k.quantize(y.reshape(rows, -1).contiguous(), act)
+            blk.o_proj(k, act, x, accumulate=True)
+            k.rmsnorm_quantize(x, blk.post_norm, eps, act)
+            blk.gate_up(k, act, gate_up)
+            k.swiglu_quantize(gate_up, act)
+            blk.down(k, act, x, accumulate=True)
+        last = x.view(B, T, C)[:, -n_logits:].reshape(B * n_logits, C).contiguous()
+        head_in = Activations(B * n_logits, C)
+        k.rmsnorm_quantize(last, self.final_norm, eps, head_in)
+        logits = torch.empty(B * n_logits, self.head.out_features)
+        self.head(k, head_in, logits)
+        return logits.view(B, n_logits, -1)
 
     def _scratch(self, rows: int, span: int) -> Scratch:
         """Buffers for ``rows`` rows attending over up to ``span`` keys (reused across steps)."""
@@ -320,6 +302,21 @@ class QuantizedLlama(nn.Module):
             self.kernels.threads(),
         )
         return logits.view(B, 1, -1)
+
+
+def _release_dense(model: LlamaModel) -> None:
+    """Free the fp32 weights the packed blocks replace (7/8 of a 4-bit model's memory); the
+    dense model keeps embeddings, norms, RoPE tables and ``Attention.attend``, and can no longer
+    run its own forward."""
+    for layer in model.layers:
+        block = cast(Block, layer)
+        attn, mlp = block.self_attn, block.mlp
+        for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj):
+            linear.weight.data = torch.empty(0)
+            if linear.bias is not None:
+                linear.bias.data = torch.empty(0)
+    if model.lm_head.weight is not model.embed_tokens.weight:
+        model.lm_head.weight.data = torch.empty(0)
 
 
 def _ptr(t: torch.Tensor | None) -> int:

@@ -187,9 +187,10 @@ def test_quantize_matches_torch(k: Kernels) -> None:
     x[1, 32:64] = 0.0  # an all-zero block: scale 0, values 0
     # A block with scale exactly 1 (amax 127): exact ties, rounded half to even.
     x[2, 64:96] = torch.tensor([127.0, 2.5, 3.5, -0.5, -1.5, 0.5, 1.5, -2.5] + [0.25] * 24)
-    xq = torch.full((m, kk), 99, dtype=torch.int8)
-    xd, xs = torch.full((m, kk // QK), 9.0), torch.full((m, kk // QK), 9.0)
-    k.quantize(x, xq, xd, xs)
+    out = Activations(m, kk)
+    out.q.fill_(99), out.d.fill_(9.0), out.s.fill_(9.0)  # every value must be overwritten
+    k.quantize(x, out)
+    xq, xd, xs = out.q, out.d, out.s
     _assert_quantized(x, xq, xd, xs, exact=True)
     assert xq[2, 64:72].tolist() == [127, 2, 4, 0, -2, 0, 2, -2]  # half to even, not away
     assert torch.equal(xq[1, 32:64], torch.zeros(32, dtype=torch.int8))
@@ -199,9 +200,9 @@ def test_quantize_matches_torch(k: Kernels) -> None:
 
 def test_quantize_single_row_matches_torch(k: Kernels) -> None:
     x = torch.randn(1, 64, generator=_gen(1)) * 5
-    xq = torch.empty(1, 64, dtype=torch.int8)
-    xd, xs = torch.empty(1, 2), torch.empty(1, 2)
-    k.quantize(x, xq, xd, xs)
+    out = Activations(1, 64)
+    k.quantize(x, out)
+    xq, xd, xs = out.q, out.d, out.s
     _assert_quantized(x, xq, xd, xs, exact=True)
 
 
@@ -516,12 +517,9 @@ def test_quantized_llama_tracks_the_dense_model(k: Kernels, arch: str) -> None:
             batch = build_batch([slot], [0], ids.shape[1], torch.device("cpu"))
             want = dense(ids, batch, caches[0], n_logits=ids.shape[1])
             got = quantized(ids, batch, caches[1], n_logits=ids.shape[1])
-            # Prefill (T > 1) is the dense model's forward; only its GEMMs are oneDNN's
-            # pre-packed ones, which may sum in another order than F.linear.
-            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+            # Prefill (T > 1) runs the same kernels (8-bit activations) around torch attention.
+            assert ((got - want).abs().max() / want.abs().max()).item() < 0.02
             last.append(want[0, -1])
-        torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
         tokens = torch.stack(last).argmax(-1, keepdim=True)  # (3, 1)
         starts = list(lengths)
         worst = 0.0
@@ -592,7 +590,7 @@ def test_quantize_for_cpu_picks_the_kernels_only_when_vectorized(k: Kernels) -> 
     ready = quantize_for_cpu(model, k)
     if k.vectorized:
         assert isinstance(ready, QuantizedLlama) and ready.model is model
-        assert not isinstance(model.layers[0].mlp.gate_up, Int4Linear)  # dense, for prefill
+        assert model.layers[0].mlp.gate_up.weight.numel() == 0  # dense weights released
     else:  # the scalar loops are slower than torch's int4 kernels
         assert ready is model and isinstance(model.layers[0].mlp.gate_up, Int4Linear)
 
