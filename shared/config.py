@@ -41,7 +41,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "reasoning_content"  # SLUICE_CHAT_REASONING_FIELD
     )
     device: str = "auto"  # SLUICE_DEVICE: auto | cpu | cuda
-    dtype: str = "auto"  # SLUICE_DTYPE: auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # SLUICE_DTYPE: auto | float32 | bfloat16 | float16 | int4
+    cpu_kernels: bool = True  # SLUICE_CPU_KERNELS: 4-bit CPU models on sluice's C kernels
     threads: int = 0  # SLUICE_THREADS: torch CPU threads (0 = torch default)
     log_level: str = "info"  # SLUICE_LOG_LEVEL
     # SLUICE_MAX_CACHED_TOKENS: a worker admits a sequence only while the tokens reserved by

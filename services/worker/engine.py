@@ -266,7 +266,11 @@ def load_backend(settings: Settings, model_spec: str, name: str | None) -> Torch
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     loaded = load_model(
-        model_spec, name=name or settings.model_name, device=settings.device, dtype=settings.dtype
+        model_spec,
+        name=name or settings.model_name,
+        device=settings.device,
+        dtype=settings.dtype,
+        cpu_kernels=settings.cpu_kernels,
     )
     return TorchBackend(
         loaded,

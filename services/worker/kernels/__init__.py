@@ -241,9 +241,6 @@ def load() -> Kernels | None:
     with _lock:
         if not _tried:
             _tried = True
-            if os.environ.get("SLUICE_KERNELS", "1") == "0":
-                log.info("sluice CPU kernels disabled by SLUICE_KERNELS=0")
-                return None
             try:
                 _loaded = Kernels(build())
             except (OSError, RuntimeError) as exc:

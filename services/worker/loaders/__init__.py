@@ -162,7 +162,12 @@ def quantize_for_cpu(model: LlamaModel, k: Kernels | None) -> LlamaModel | Quant
 
 
 def load_model(
-    spec: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto"
+    spec: str,
+    *,
+    name: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    cpu_kernels: bool = True,
 ) -> LoadedModel:
     """Load ``spec`` (``"smollm2"``, a ``.gguf`` file or a Hugging Face directory).
 
@@ -171,6 +176,8 @@ def load_model(
         name: public model id; defaults to ``smollm2``, the file stem or the directory name.
         device: ``auto``, ``cpu`` or ``cuda``.
         dtype: ``auto``, ``float32``, ``bfloat16``, ``float16`` or ``int4`` (CPU weight-only).
+        cpu_kernels: run 4-bit CPU models on sluice's C kernels when they build (else torch's
+            int4 kernels).
 
     Returns:
         The loaded model, tokenizer and card.
@@ -204,7 +211,7 @@ def load_model(
     if dtype == "int4" or (dtype == "auto" and dev.type == "cpu" and four_bit):
         from services.worker import kernels
 
-        ready = quantize_for_cpu(model, kernels.load())
+        ready = quantize_for_cpu(model, kernels.load() if cpu_kernels else None)
     return LoadedModel(
         model=ready,
         tokenizer=tokenizer,

@@ -11,6 +11,7 @@ from torch import nn
 from services.worker import kernels
 from services.worker.kv_cache import build_batch
 from services.worker.loaders import load_model
+from services.worker.models.llama import LlamaModel
 from services.worker.models.quant import Int4Linear, Int8Linear, quantize_linears
 from services.worker.models.quantized import QuantizedLlama
 from tests.worker_models import (
@@ -95,3 +96,12 @@ def test_four_bit_gguf_decodes_from_four_bits_on_cpu_by_default(tmp_path: Path) 
         assert got.shape == want.shape
         # Measured: prefill exact (kernels) or 0.4 % (int4), decode 0.4 % of the largest logit.
         assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+
+
+def test_cpu_kernels_off_uses_torch_int4(tmp_path: Path) -> None:
+    tk = tiny_tokenizer()
+    model = random_model("LlamaForCausalLM", tk.get_vocab_size(), seed=9)
+    write_gguf(tmp_path / "q4.gguf", model, tk, qtype=Q.Q4_1)
+    off = load_model(str(tmp_path / "q4.gguf"), device="cpu", cpu_kernels=False)
+    assert isinstance(off.model, LlamaModel)
+    assert isinstance(off.model.layers[0].mlp.gate_up, Int4Linear)
