@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.worker import kernels
 from services.worker.engine import TorchBackend, load_backend
 from shared.config import Settings
 from shared.events import AnyEvent, Finish, Start, TextDelta
@@ -134,15 +135,22 @@ async def test_fp32_greedy_ids_equal_the_transformers_reference(backend: TorchBa
         assert got == record["greedy_ids"], record["prompt"]
 
 
-async def test_int4_default_gives_the_reference_greedy_answers(backend: TorchBackend) -> None:
-    """CPU ``dtype=auto`` decodes the Q4_1 GGUF with int4 blocks and an int8 lm_head.
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["sluice-kernels", "torch-int4"])
+async def test_four_bit_default_gives_the_reference_greedy_answers(cpu_kernels: bool) -> None:
+    """CPU ``dtype=auto`` decodes the Q4_1 GGUF from 4-bit blocks: sluice's C kernels (Q8
+    activations, Q8_0 head) or, with ``SLUICE_CPU_KERNELS=0``, torch's int4 kernels.
 
     Greedy ids must equal the fp32 reference's, or first differ at a near-tie: a token the
     reference ranked in its top 5, less than ``NEAR_TIE`` nats below its own choice.
     """
-    int4 = load_backend(Settings(device="cpu", max_batch=4), "smollm2", None)
-    layer: Any = int4.loaded.model.layers[0]
-    assert type(layer.mlp.gate_up).__name__ == "Int4Linear"
+    int4 = load_backend(
+        Settings(device="cpu", max_batch=4, cpu_kernels=cpu_kernels), "smollm2", None
+    )
+    if cpu_kernels and kernels.load() is not None:
+        assert type(int4.loaded.model).__name__ == "QuantizedLlama"
+    else:
+        layer: Any = int4.loaded.model.layers[0]
+        assert type(layer.mlp.gate_up).__name__ == "Int4Linear"
     await int4.start()
     try:
         for i, record in enumerate(REFERENCE["records"]):
