@@ -1,10 +1,10 @@
-"""sluice's CPU kernels (``sluice_cpu.c``): built on first use, loaded with ctypes.
+"""sluice's CPU kernels (``matmul.c``, ``decode.c``): built on first use, loaded with ctypes.
 
-Owns compiling the C file with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
+Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
 cache directory, loading it, and thin typed wrappers that take torch tensors. Knows nothing about
 models: ``services.worker.models.quantized`` decides what to call.
 
-Why ctypes and a plain C file rather than a torch extension: the file builds in about a second
+Why ctypes and plain C rather than a torch extension: the files build in about two seconds
 with no torch headers, and a call costs a couple of microseconds. The library links the same
 ``libgomp`` torch already loaded, so both share one OpenMP pool.
 
@@ -43,7 +43,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("sluice_cpu.c")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "matmul.c", HERE / "decode.c"]  # and the header both include
+HEADER = HERE / "sluice_cpu.h"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _P, _I, _F = c_void_p, c_int64, c_float
@@ -133,7 +135,9 @@ def _cache_dir() -> Path:
 
 def _library_path(flags: list[str], directory: Path) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), platform.machine().encode()):
+    for path in (HEADER, *SOURCES):
+        key.update(path.read_bytes())
+    for part in (" ".join(flags).encode(), platform.machine().encode()):
         key.update(part)
     key.update(_cpu_flags().encode())
     return directory / f"sluice_cpu-{key.hexdigest()[:16]}.so"
@@ -159,7 +163,7 @@ def build(flags: list[str] | None = None, directory: Path | None = None) -> Path
     # Build beside the target and rename: two workers starting together never load a half file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *flags, "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:  # the compiler named by CC cannot be run

@@ -1,4 +1,4 @@
-"""sluice's CPU kernels (``sluice_cpu.c``) against exact torch references.
+"""sluice's CPU kernels (``services/worker/kernels/*.c``) against exact torch references.
 
 Every kernel runs twice: in the native build (``kernels.load()``: AVX2 + FMA where the CPU has
 them) and in a portable build without ``-march=native`` (the scalar fallback loops). Matmuls take
@@ -120,8 +120,8 @@ def _q4_1_grid(n: int, kk: int, seed: int) -> tuple[torch.Tensor, ...]:
 def _interleave(
     q: torch.Tensor, d: torch.Tensor, mn: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layout sluice_cpu.c documents, written out element by element: for rows 8g..8g+7 and
-    block b, byte 32 j + 4 r + i = value 4 j + i of row r | value 16 + 4 j + i << 4."""
+    """The layout sluice_cpu.h documents, written out element by element: for rows 8g..8g+7
+    and block b, byte 32 j + 4 r + i = value 4 j + i of row r | value 16 + 4 j + i << 4."""
     n, nb = q.shape[0], q.shape[1]
     out = torch.zeros(n // 8, nb, 128, dtype=torch.uint8)
     for gi in range(n // 8):

@@ -1,0 +1,214 @@
+/* Decode attention and the whole decode step (layouts: sluice_cpu.h). */
+#include "sluice_cpu.h"
+
+/* ---- decode attention: one new token per row ---------------------------------------------- */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if SL_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    s = hsum(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_f32(float a, const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if SL_AVX2
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* Optional per-head RMSNorm (Qwen3's q_norm / k_norm), then rotary embedding in the Hugging Face
+ * convention: dimension i pairs with i + hd/2. */
+static void norm_rope(float *v, int64_t hd, const float *norm, float eps, const float *cos,
+                      const float *sin) {
+    if (norm) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < hd; i++) ss += v[i] * v[i];
+        const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+        for (int64_t i = 0; i < hd; i++) v[i] = norm[i] * (v[i] * r);
+    }
+    const int64_t h = hd / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + h] = b * cos[i + h] + a * sin[i + h];
+    }
+}
+
+/* One query head over S cached keys/values: o = softmax(q.K / sqrt(hd)) V. p: S floats. */
+static void attend(const float *q, const float *keys, const float *vals, int64_t S, int64_t hd,
+                   float scale, float *p, float *o) {
+    int64_t t = 0;
+    float mx = -INFINITY, sum = 0.0f;
+#if SL_AVX2
+    if (hd % 8 == 0) {
+        /* four keys at a time: four independent FMA chains and one combined horizontal sum */
+        for (; t + 4 <= S; t += 4) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const float *k0 = keys + t * hd;
+            for (int64_t d = 0; d < hd; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + d), a3);
+            }
+            _mm_storeu_ps(p + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+        }
+    }
+#endif
+    for (; t < S; t++) p[t] = dot_f32(q, keys + t * hd, hd) * scale;
+    for (t = 0; t < S; t++) mx = p[t] > mx ? p[t] : mx;
+    t = 0;
+#if SL_AVX2
+    __m256 vsum = _mm256_setzero_ps();
+    for (; t + 8 <= S; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(p + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum(vsum);
+#endif
+    for (; t < S; t++) {
+        p[t] = expf(p[t] - mx);
+        sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+    int64_t d0 = 0;
+#if SL_AVX2
+    /* 64 output dims at a time stay in eight registers across all S values */
+    for (; d0 + 64 <= hd; d0 += 64) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (t = 0; t < S; t++) {
+            const __m256 w = _mm256_set1_ps(p[t] * inv);
+            const float *v = vals + t * hd + d0;
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+    }
+#endif
+    if (d0 < hd) {
+        memset(o + d0, 0, (size_t)(hd - d0) * sizeof(float));
+        for (t = 0; t < S; t++) axpy_f32(p[t] * inv, vals + t * hd + d0, o + d0, hd - d0);
+    }
+}
+
+/* qkv: [B, (H + 2 KV) * hd] straight from the fused projection (rotated in place).
+ * For row b the new token sits at position pos[b] of cache slot slots[b]; it is written there,
+ * then attends to positions 0..pos[b]. out: [B, H * hd]. scores: B * H * span floats, span > max pos. */
+static void attention_decode_body(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                                  const float *cos_table, const float *sin_table,
+                                  const int64_t *pos, const int64_t *slots, float *kc, float *vc,
+                                  int64_t capacity, const float *q_norm, const float *k_norm,
+                                  float eps, float *out, float *scores, int64_t span) {
+    const int64_t width = (H + 2 * KV) * hd, G = H / KV;
+    const int64_t head_stride = capacity * hd, slot_stride = KV * head_stride;
+    const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < B * KV; task++) {
+        const int64_t b = task / KV, k = task % KV;
+        float *row = qkv + b * width;
+        const float *c = cos_table + pos[b] * hd, *s = sin_table + pos[b] * hd;
+        for (int64_t g = 0; g < G; g++) norm_rope(row + (k * G + g) * hd, hd, q_norm, eps, c, s);
+        float *key = row + (H + k) * hd, *val = row + (H + KV + k) * hd;
+        norm_rope(key, hd, k_norm, eps, c, s);
+        const int64_t at = slots[b] * slot_stride + k * head_stride + pos[b] * hd;
+        memcpy(kc + at, key, (size_t)hd * sizeof(float));
+        memcpy(vc + at, val, (size_t)hd * sizeof(float));
+    }
+    /* the barrier above: every key is in the cache before anyone attends */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * KV; task++) {
+        const int64_t b = task / KV, k = task % KV;
+        const float *keys = kc + slots[b] * slot_stride + k * head_stride;
+        const float *vals = vc + slots[b] * slot_stride + k * head_stride;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = k * G + g;
+            attend(qkv + b * width + h * hd, keys, vals, pos[b] + 1, hd, scale,
+                   scores + (b * H + h) * span, out + b * H * hd + h * hd);
+        }
+    }
+}
+
+void sl_attention_decode(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                         const float *cos_table, const float *sin_table, const int64_t *pos,
+                         const int64_t *slots, float *kc, float *vc, int64_t capacity,
+                         const float *q_norm, const float *k_norm, float eps, float *out,
+                         float *scores, int64_t span, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    attention_decode_body(B, H, KV, hd, qkv, cos_table, sin_table, pos, slots, kc, vc, capacity,
+                          q_norm, k_norm, eps, out, scores, span);
+}
+
+/* ---- a whole decode step ------------------------------------------------------------------ */
+
+/* A Q4_1 (or, for the head, Q8_0) linear: weights, scales, minimums, optional bias. */
+typedef struct {
+    const void *q;
+    const float *d, *m, *bias;
+    int64_t n, k;
+} sl_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm, *q_norm, *k_norm;
+    sl_linear qkv, o, gate_up, down;
+} sl_layer;
+
+typedef struct {
+    int64_t layers, hidden, inner, heads, kv_heads, head_dim;
+    float eps;
+    const float *cos, *sin, *final_norm;
+    const sl_layer *layer;
+    sl_linear head;
+} sl_model;
+
+/* Per-step buffers, sized for B rows by the caller. */
+typedef struct {
+    int8_t *xq; /* B x max(hidden, inner, heads * head_dim) */
+    float *xd, *xs, *tmp;
+    float *qkv, *attended, *gate_up, *scores; /* scores: B * heads * span */
+} sl_scratch;
+
+static void q4_linear(const sl_linear *l, int64_t M, const sl_scratch *w, float *y, int acc) {
+    gemm_q4_1_body(M, l->n, l->k, w->xq, w->xd, w->xs, (const uint8_t *)l->q, l->d, l->m,
+                   l->bias, y, acc);
+}
+
+/* x: [B, hidden] embeddings in, final hidden state out; logits: [B, vocab]. One parallel region
+ * for the whole step: the threads meet at barriers between stages instead of being started and
+ * joined ~270 times. */
+void sl_decode(const sl_model *m, int64_t B, float *x, const int64_t *pos, const int64_t *slots,
+               float *kc, float *vc, int64_t cache_slots, int64_t capacity, int64_t span,
+               const sl_scratch *w, float *logits, int nthreads) {
+    const int64_t C = m->hidden, H = m->heads, KV = m->kv_heads, hd = m->head_dim;
+    const int64_t layer_elems = cache_slots * KV * capacity * hd;
+#pragma omp parallel num_threads(nthreads)
+    {
+        for (int64_t i = 0; i < m->layers; i++) {
+            const sl_layer *L = m->layer + i;
+            rmsnorm_quantize_body(x, L->input_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
+            q4_linear(&L->qkv, B, w, w->qkv, 0);
+            attention_decode_body(B, H, KV, hd, w->qkv, m->cos, m->sin, pos, slots,
+                                  kc + i * layer_elems, vc + i * layer_elems, capacity, L->q_norm,
+                                  L->k_norm, m->eps, w->attended, w->scores, span);
+            quantize_body(w->attended, B, H * hd, w->xq, w->xd, w->xs);
+            q4_linear(&L->o, B, w, x, 1);
+            rmsnorm_quantize_body(x, L->post_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
+            q4_linear(&L->gate_up, B, w, w->gate_up, 0);
+            swiglu_quantize_body(w->gate_up, B, m->inner, w->xq, w->xd, w->xs, w->tmp);
+            q4_linear(&L->down, B, w, x, 1);
+        }
+        rmsnorm_quantize_body(x, m->final_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
+        gemm_q8_0_body(B, m->head.n, m->head.k, w->xq, w->xd, (const int8_t *)m->head.q,
+                       m->head.d, m->head.bias, logits, 0);
+    }
+}
