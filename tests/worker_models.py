@@ -398,3 +398,12 @@ def prefill_logits(
     batch = build_batch([0], [0], len(ids), device)
     with torch.inference_mode():
         return model(torch.tensor([ids], device=device), batch, cache, n_logits=len(ids))[0]
+
+
+def gen(seed: int) -> torch.Generator:
+    """A seeded CPU generator."""
+    return torch.Generator().manual_seed(seed)
+
+
+# The kernels' portable build: no -march=native, so the scalar loops (tests run both builds).
+SCALAR_KERNEL_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]

@@ -3,64 +3,30 @@
 Every kernel runs twice: in the native build (``kernels.load()``: AVX2 + FMA where the CPU has
 them) and in a portable build without ``-march=native`` (the scalar fallback loops). Matmuls take
 weights exactly on a Q4_1 / Q8_0 grid and pre-quantized activations, so the only difference from
-float64 math is fp32 accumulation; ``QuantizedLlama`` is then compared with the dense model it
-wraps on each architecture.
+float64 math is fp32 accumulation. Attention: test_kernels_attention.py; the model built on
+them: test_quantized_model.py.
 """
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from services.worker import kernels
-from services.worker.kernels import Kernels, build
-from services.worker.kv_cache import KVCache, build_batch
-from services.worker.loaders import quantize_for_cpu
-from services.worker.models.llama import LlamaConfig, LlamaModel, RMSNorm, rotate_half
-from services.worker.models.quant import Int4Linear, Int8Linear
+from services.worker.kernels import Kernels
+from services.worker.models.llama import RMSNorm
 from services.worker.models.quantized import (
     Activations,
     PackedLinear,
-    QuantizedLlama,
     pack_q4_1,
     pack_q8_0,
-    supports,
     unpack_q4_1,
 )
-from tests.worker_models import ARCH_MODEL_TYPE, model_cache, random_model
+from tests.worker_models import gen as _gen
 
 torch.set_num_threads(1)
 
 QK = 32
-SCALAR_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ARCHS = sorted(ARCH_MODEL_TYPE)
-VOCAB = 256
-
-
-@pytest.fixture(scope="module", params=["native", "scalar"])
-def k(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Kernels:
-    """The process-wide native build, then a portable scalar build in a fresh directory."""
-    if request.param == "native":
-        native = kernels.load()
-        if native is None:
-            pytest.skip("sluice CPU kernels cannot be built here")
-        return native
-    try:
-        path = build(flags=SCALAR_FLAGS, directory=tmp_path_factory.mktemp("scalar-kernels"))
-    except (OSError, RuntimeError) as exc:
-        pytest.skip(f"no C compiler for the scalar build: {exc}")
-    scalar = Kernels(path)
-    assert scalar.vectorized is False  # no -march=native: the scalar loops
-    return scalar
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 # ---- references -------------------------------------------------------------------------------
@@ -376,227 +342,3 @@ def test_pack_q8_0_round_trips_grid_weights() -> None:
     torch.testing.assert_close(scale, d, rtol=1e-6, atol=0.0)
     again = (packed.float().view(n, -1, QK) * scale[..., None]).view(n, kk)
     torch.testing.assert_close(again, w, rtol=1e-6, atol=1e-7)
-
-
-# ---- decode attention -------------------------------------------------------------------------
-
-H, KV = 4, 2
-
-
-def _rope_tables(hd: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cos/sin tables a real ``LlamaModel`` builds (64 positions)."""
-    cfg = LlamaConfig(
-        vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=H,
-        num_kv_heads=KV, head_dim=hd, rope_theta=10000.0, context_length=64,
-    )  # fmt: skip
-    model = LlamaModel(cfg)
-    return model.rope_cos.contiguous(), model.rope_sin.contiguous()
-
-
-def _ref_attention(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: list[int],
-    slots: list[int],
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    q_norm: RMSNorm | None,
-    k_norm: RMSNorm | None,
-) -> torch.Tensor:
-    """Torch decode attention; writes the roped key and raw value into ``kc``/``vc``."""
-    hd = kc.shape[-1]
-    out = []
-    for b, (p, slot) in enumerate(zip(pos, slots, strict=True)):
-        q, key, val = qkv[b].split([H * hd, KV * hd, KV * hd])
-        q, key, val = q.view(H, hd), key.view(KV, hd), val.view(KV, hd)
-        if q_norm is not None and k_norm is not None:
-            q, key = q_norm(q), k_norm(key)
-        q = q * cos[p] + rotate_half(q) * sin[p]
-        key = key * cos[p] + rotate_half(key) * sin[p]
-        kc[slot, :, p], vc[slot, :, p] = key, val
-        keys, vals = kc[slot, :, : p + 1].double(), vc[slot, :, : p + 1].double()  # (KV, S, hd)
-        heads = []
-        for h in range(H):
-            kv = h // (H // KV)
-            att = (keys[kv] @ q[h].double()) / math.sqrt(hd)  # (S,)
-            heads.append(att.softmax(-1) @ vals[kv])
-        out.append(torch.cat(heads))
-    return torch.stack(out).float()  # (B, H * hd)
-
-
-@pytest.mark.parametrize("hd", [16, 64])  # 64: the kernel's register-blocked output path
-@pytest.mark.parametrize("qwen3", [False, True], ids=["llama", "qk-norm"])
-def test_attention_decode_matches_torch(k: Kernels, qwen3: bool, hd: int) -> None:
-    g = _gen(200 + qwen3 + hd)
-    cos, sin = _rope_tables(hd)
-    n_slots, capacity, eps = 5, 24, 1e-6
-    # Ragged (1 to 18 keys: whole and partial groups of 4 and 8), the slots neither sorted nor
-    # contiguous.
-    pos, slots = [6, 0, 17, 1, 8], [3, 0, 4, 1, 2]
-    b = len(pos)
-    qkv = torch.randn(b, (H + 2 * KV) * hd, generator=g) * 2
-    kc = torch.randn(n_slots, KV, capacity, hd, generator=g)
-    vc = torch.randn(n_slots, KV, capacity, hd, generator=g)
-    # Positions after each row's token hold garbage the attention must not read.
-    for p, slot in zip(pos, slots, strict=True):
-        kc[slot, :, p + 1 :] = 1e4
-        vc[slot, :, p + 1 :] = float("nan")
-    q_norm = k_norm = None
-    if qwen3:
-        q_norm, k_norm = RMSNorm(hd, eps), RMSNorm(hd, eps)
-        with torch.no_grad():
-            q_norm.weight.copy_(1.0 + 0.3 * torch.randn(hd, generator=g))
-            k_norm.weight.copy_(1.0 + 0.3 * torch.randn(hd, generator=g))
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    with torch.no_grad():
-        want = _ref_attention(qkv, cos, sin, pos, slots, kc_ref, vc_ref, q_norm, k_norm)
-    out = torch.full((b, H * hd), float("nan"))
-    pos_t, slots_t = torch.tensor(pos), torch.tensor(slots)
-    span = max(pos) + 1
-    scores = torch.full((b * H * span,), float("nan"))  # the kernel's softmax scratch
-    rows = qkv.clone()  # the kernel rotates q and k in place
-    k.lib.sl_attention_decode(
-        b, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_t.data_ptr(),
-        slots_t.data_ptr(), kc.data_ptr(), vc.data_ptr(), capacity,
-        0 if q_norm is None else q_norm.weight.data_ptr(),
-        0 if k_norm is None else k_norm.weight.data_ptr(), eps, out.data_ptr(),
-        scores.data_ptr(), span, k.threads(),
-    )  # fmt: skip
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    # The cache holds the roped key and the raw value at [slot, kv, pos]; nothing else moved.
-    written = torch.zeros(n_slots, KV, capacity, dtype=torch.bool)
-    for p, slot in zip(pos, slots, strict=True):
-        written[slot, :, p] = True
-    torch.testing.assert_close(kc[written], kc_ref[written], rtol=1e-5, atol=1e-6)
-    assert torch.equal(vc[written], vc_ref[written])
-    assert torch.equal(kc[~written], kc_ref[~written])
-    assert torch.equal(vc[~written].nan_to_num(7.0), vc_ref[~written].nan_to_num(7.0))
-
-
-# ---- QuantizedLlama vs the dense model --------------------------------------------------------
-
-
-def _snap_to_grid(model: LlamaModel) -> None:
-    """Move the block linears onto the Q4_1 grid and the head onto the Q8_0 grid (in place), so
-    the dense model computes exactly with the weights ``QuantizedLlama`` packs."""
-    with torch.no_grad():
-        for block in model.layers:
-            for linear in (
-                block.self_attn.qkv,
-                block.self_attn.o_proj,
-                block.mlp.gate_up,
-                block.mlp.down_proj,
-            ):
-                w = linear.weight
-                w.copy_(unpack_q4_1(*pack_q4_1(w)))
-        head = model.lm_head.weight
-        q, scale = pack_q8_0(head)
-        head.copy_((q.float().view(head.shape[0], -1, QK) * scale[..., None]).view_as(head))
-
-
-def _decode_cache(model: nn.Module) -> KVCache:
-    return model_cache(model, slots=4, initial=32)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_quantized_llama_tracks_the_dense_model(k: Kernels, arch: str) -> None:
-    dense = random_model(arch, VOCAB, seed=11)
-    _snap_to_grid(dense)
-    assert supports(dense)
-    wrapped = random_model(arch, VOCAB, seed=11)  # the same weights: QuantizedLlama owns this one
-    _snap_to_grid(wrapped)
-    quantized = QuantizedLlama(wrapped, k)
-    g = _gen(300)
-    slots, lengths = [2, 0, 3], [7, 3, 12]  # ragged rows in non-contiguous slots
-    prompts = [torch.randint(0, VOCAB, (1, t), generator=g) for t in lengths]
-    caches = [_decode_cache(dense), _decode_cache(dense)]
-    last = []
-    with torch.inference_mode():
-        for slot, ids in zip(slots, prompts, strict=True):
-            batch = build_batch([slot], [0], ids.shape[1], torch.device("cpu"))
-            want = dense(ids, batch, caches[0], n_logits=ids.shape[1])
-            got = quantized(ids, batch, caches[1], n_logits=ids.shape[1])
-            # Prefill (T > 1) runs the same kernels (8-bit activations) around torch attention.
-            assert ((got - want).abs().max() / want.abs().max()).item() < 0.02
-            last.append(want[0, -1])
-        tokens = torch.stack(last).argmax(-1, keepdim=True)  # (3, 1)
-        starts = list(lengths)
-        worst = 0.0
-        for _ in range(5):
-            batch = build_batch(slots, starts, 1, torch.device("cpu"))
-            want = dense(tokens, batch, caches[0])
-            got = quantized(tokens, batch, caches[1])
-            assert got.shape == want.shape == (3, 1, VOCAB) and got.dtype == torch.float32
-            rel = ((got - want).abs().max() / want.abs().max()).item()
-            worst = max(worst, rel)
-            tokens = want[:, 0].argmax(-1, keepdim=True)  # both models see the same tokens
-            starts = [s + 1 for s in starts]
-    # On-grid weights leave 8-bit activations as the only loss: measured below 1 %.
-    assert worst < 0.02, f"decode logits differ by {worst:.2%} of the largest logit"
-    # The decode steps wrote the same keys and values (up to 8-bit activations).
-    for cache in caches:
-        assert cache.capacity == 32
-    for slot, end in zip(slots, starts, strict=True):
-        for a, b in ((caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):
-            got, want = a[:, slot, :, :end], b[:, slot, :, :end]
-            assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
-    untouched = [s for s in range(4) if s not in slots]
-    assert not caches[1].k[:, untouched].any() and not caches[1].v[:, untouched].any()
-
-
-# ---- build and fallback -----------------------------------------------------------------------
-
-
-def test_build_with_a_missing_compiler_raises(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    out = tmp_path / "cache"
-    with pytest.raises(RuntimeError):
-        build(directory=out)
-    assert not list(out.glob("*.so"))  # no half-built or empty library left behind
-
-
-def test_build_with_a_failing_compiler_raises(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("CC", "false")
-    out = tmp_path / "cache"
-    with pytest.raises(RuntimeError, match="failed"):
-        build(directory=out)
-    assert not list(out.glob("*.so"))
-
-
-def test_build_is_cached(tmp_path: Path) -> None:
-    first = build(flags=SCALAR_FLAGS, directory=tmp_path)
-    stamp = first.stat().st_mtime_ns
-    assert build(flags=SCALAR_FLAGS, directory=tmp_path) == first
-    assert first.stat().st_mtime_ns == stamp
-    assert build(flags=[*SCALAR_FLAGS, "-DX=1"], directory=tmp_path) != first  # flags are keyed
-
-
-def test_quantize_for_cpu_without_kernels_falls_back_to_torch_int4() -> None:
-    model = random_model("LlamaForCausalLM", VOCAB, seed=4)
-    ready = quantize_for_cpu(model, None)
-    assert ready is model
-    assert isinstance(model.layers[0].mlp.gate_up, Int4Linear)
-    assert isinstance(model.layers[1].self_attn.qkv, Int4Linear)
-    assert isinstance(model.lm_head, Int8Linear)
-
-
-def test_quantize_for_cpu_picks_the_kernels_only_when_vectorized(k: Kernels) -> None:
-    model = random_model("Qwen2ForCausalLM", VOCAB, seed=5)
-    ready = quantize_for_cpu(model, k)
-    if k.vectorized:
-        assert isinstance(ready, QuantizedLlama) and ready.model is model
-        assert model.layers[0].mlp.gate_up.weight.numel() == 0  # dense weights released
-    else:  # the scalar loops are slower than torch's int4 kernels
-        assert ready is model and isinstance(model.layers[0].mlp.gate_up, Int4Linear)
-
-
-def test_quantize_for_cpu_falls_back_when_widths_do_not_split_into_blocks(k: Kernels) -> None:
-    model = random_model("LlamaForCausalLM", VOCAB, seed=6, intermediate_size=80)
-    assert not supports(model)
-    ready = quantize_for_cpu(model, k)
-    assert ready is model and isinstance(model.layers[0].self_attn.qkv, Int4Linear)

@@ -1,0 +1,113 @@
+"""The kernels' decode attention (RoPE, optional q/k norm, KV-cache write, GQA softmax attention)
+against torch, on the native and the scalar build."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.worker.kernels import Kernels
+from services.worker.models.llama import LlamaConfig, LlamaModel, RMSNorm, rotate_half
+from tests.worker_models import gen as _gen
+
+torch.set_num_threads(1)
+
+QK = 32
+
+
+# ---- decode attention -------------------------------------------------------------------------
+
+H, KV = 4, 2
+
+
+def _rope_tables(hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin tables a real ``LlamaModel`` builds (64 positions)."""
+    cfg = LlamaConfig(
+        vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=H,
+        num_kv_heads=KV, head_dim=hd, rope_theta=10000.0, context_length=64,
+    )  # fmt: skip
+    model = LlamaModel(cfg)
+    return model.rope_cos.contiguous(), model.rope_sin.contiguous()
+
+
+def _ref_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: list[int],
+    slots: list[int],
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+) -> torch.Tensor:
+    """Torch decode attention; writes the roped key and raw value into ``kc``/``vc``."""
+    hd = kc.shape[-1]
+    out = []
+    for b, (p, slot) in enumerate(zip(pos, slots, strict=True)):
+        q, key, val = qkv[b].split([H * hd, KV * hd, KV * hd])
+        q, key, val = q.view(H, hd), key.view(KV, hd), val.view(KV, hd)
+        if q_norm is not None and k_norm is not None:
+            q, key = q_norm(q), k_norm(key)
+        q = q * cos[p] + rotate_half(q) * sin[p]
+        key = key * cos[p] + rotate_half(key) * sin[p]
+        kc[slot, :, p], vc[slot, :, p] = key, val
+        keys, vals = kc[slot, :, : p + 1].double(), vc[slot, :, : p + 1].double()  # (KV, S, hd)
+        heads = []
+        for h in range(H):
+            kv = h // (H // KV)
+            att = (keys[kv] @ q[h].double()) / math.sqrt(hd)  # (S,)
+            heads.append(att.softmax(-1) @ vals[kv])
+        out.append(torch.cat(heads))
+    return torch.stack(out).float()  # (B, H * hd)
+
+
+@pytest.mark.parametrize("hd", [16, 64])  # 64: the kernel's register-blocked output path
+@pytest.mark.parametrize("qwen3", [False, True], ids=["llama", "qk-norm"])
+def test_attention_decode_matches_torch(k: Kernels, qwen3: bool, hd: int) -> None:
+    g = _gen(200 + qwen3 + hd)
+    cos, sin = _rope_tables(hd)
+    n_slots, capacity, eps = 5, 24, 1e-6
+    # Ragged (1 to 18 keys: whole and partial groups of 4 and 8), the slots neither sorted nor
+    # contiguous.
+    pos, slots = [6, 0, 17, 1, 8], [3, 0, 4, 1, 2]
+    b = len(pos)
+    qkv = torch.randn(b, (H + 2 * KV) * hd, generator=g) * 2
+    kc = torch.randn(n_slots, KV, capacity, hd, generator=g)
+    vc = torch.randn(n_slots, KV, capacity, hd, generator=g)
+    # Positions after each row's token hold garbage the attention must not read.
+    for p, slot in zip(pos, slots, strict=True):
+        kc[slot, :, p + 1 :] = 1e4
+        vc[slot, :, p + 1 :] = float("nan")
+    q_norm = k_norm = None
+    if qwen3:
+        q_norm, k_norm = RMSNorm(hd, eps), RMSNorm(hd, eps)
+        with torch.no_grad():
+            q_norm.weight.copy_(1.0 + 0.3 * torch.randn(hd, generator=g))
+            k_norm.weight.copy_(1.0 + 0.3 * torch.randn(hd, generator=g))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    with torch.no_grad():
+        want = _ref_attention(qkv, cos, sin, pos, slots, kc_ref, vc_ref, q_norm, k_norm)
+    out = torch.full((b, H * hd), float("nan"))
+    pos_t, slots_t = torch.tensor(pos), torch.tensor(slots)
+    span = max(pos) + 1
+    scores = torch.full((b * H * span,), float("nan"))  # the kernel's softmax scratch
+    rows = qkv.clone()  # the kernel rotates q and k in place
+    k.lib.sl_attention_decode(
+        b, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_t.data_ptr(),
+        slots_t.data_ptr(), kc.data_ptr(), vc.data_ptr(), capacity,
+        0 if q_norm is None else q_norm.weight.data_ptr(),
+        0 if k_norm is None else k_norm.weight.data_ptr(), eps, out.data_ptr(),
+        scores.data_ptr(), span, k.threads(),
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # The cache holds the roped key and the raw value at [slot, kv, pos]; nothing else moved.
+    written = torch.zeros(n_slots, KV, capacity, dtype=torch.bool)
+    for p, slot in zip(pos, slots, strict=True):
+        written[slot, :, p] = True
+    torch.testing.assert_close(kc[written], kc_ref[written], rtol=1e-5, atol=1e-6)
+    assert torch.equal(vc[written], vc_ref[written])
+    assert torch.equal(kc[~written], kc_ref[~written])
+    assert torch.equal(vc[~written].nan_to_num(7.0), vc_ref[~written].nan_to_num(7.0))
