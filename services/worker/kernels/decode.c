@@ -151,6 +151,9 @@ void sl_attention_decode(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qk
 
 /* ---- a whole decode step ------------------------------------------------------------------ */
 
+/* These structs are mirrored field by field by the ctypes Structures in __init__.py (Linear,
+ * Layer, Model, Scratch): change both together. */
+
 /* A Q4_1 (or, for the head, Q8_0) linear: weights, scales, minimums, optional bias. */
 typedef struct {
     const void *q;

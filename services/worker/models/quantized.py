@@ -1,10 +1,10 @@
 """A Llama-family model's decode step on sluice's CPU kernels (Q4_1 / Q8_0 blocks).
 
 Owns packing a loaded ``LlamaModel``'s linears into 4-bit (Q4_1) blocks and its output head into
-8-bit (Q8_0) blocks, and ``QuantizedLlama``, which runs one-token-per-row decode steps through
-``services.worker.kernels``: nine calls per layer instead of ~50 torch ops. The math is the
-model's own (same RMSNorm, RoPE convention, GQA, SwiGLU, KV-cache layout), so the two paths share
-the cache and a sequence can prefill on one and decode on the other.
+8-bit (Q8_0) blocks, and ``QuantizedLlama``, which runs a decode step (one new token per row) as
+one call into ``services.worker.kernels`` instead of ~1,500 torch ops. The math is the model's
+own (same RMSNorm, RoPE convention, GQA, SwiGLU, KV-cache layout), with activations quantized to
+8 bits per 32 values before each matmul, so tests compare the two paths step by step.
 
 Prefill (many tokens per row) runs the same kernels for every matmul (the interleaved Q4_1 GEMM
 beats oneDNN's fp32 GEMM by ~1.5x at prefill sizes on AVX2) and the dense model's own
@@ -192,7 +192,7 @@ class QuantizedLlama(nn.Module):
 
     def __init__(self, model: LlamaModel, kernels: Kernels) -> None:
         super().__init__()
-        self.model = model  # dense: embeddings, RoPE tables, and the prefill forward
+        self.model = model  # embeddings, RoPE tables and Attention.attend (linears freed below)
         self.config = cfg = model.config
         self.kernels = kernels
         layers = [cast(Block, b) for b in model.layers]
