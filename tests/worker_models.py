@@ -1,4 +1,4 @@
-"""Tiny models for worker tests: random HF-layout weights, a GGUF writer, a forced-sequence double.
+"""Tiny models for worker tests: random HF-layout weights, a GGUF writer, cache helpers.
 
 * ``tiny_tokenizer()``: a real byte-level BPE ``tokenizers.Tokenizer`` trained in milliseconds on a
   small corpus, whose added tokens include the ChatML, reasoning and tool markers.
@@ -6,8 +6,9 @@
   directory (config.json, safetensors, tokenizer files, generation_config.json).
 * ``write_gguf(path, ...)``: the same weights as GGUF via ``gguf.GGUFWriter`` (F32/F16/Q8_0/...),
   with llama.cpp's q/k permutation for the ``llama`` architecture and tokenizer metadata.
-* ``ForcedSequenceModel``: an ``nn.Module`` with the model interface whose logits force a scripted
-  token sequence, so reasoning/tool paths run deterministically through the real engine.
+* ``model_cache`` / ``prefill_logits``: a KV cache shaped for a model, one full-sequence forward.
+
+The forced-sequence model double lives in ``tests/forced_model.py``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
-from services.worker.engine import TorchBackend
-from services.worker.kv_cache import AttentionBatch, KVCache, build_batch
-from services.worker.loaders import LoadedModel, build_card
+from services.worker.kv_cache import KVCache, build_batch
 from services.worker.models import MODELS
-from services.worker.models.llama import LlamaConfig, LlamaModel
+from services.worker.models.llama import LlamaModel
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -285,78 +284,6 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-class ForcedSequenceModel(nn.Module):
-    """A model double whose logits force ``script`` token by token, then ``end_id`` forever.
-
-    It keeps, per cache slot, the position it expects next; a forward at any other position is a
-    new prefill, which restarts the script. Tests wrap it in a ``LoadedModel`` with a real
-    tokenizer and card, so the engine, decoder, template and parsers are all real.
-    """
-
-    def __init__(self, script: list[int], vocab_size: int, end_id: int, context: int = 256) -> None:
-        super().__init__()
-        self.script, self.end_id = script, end_id
-        self.config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=8,
-            intermediate_size=8,
-            num_layers=1,
-            num_heads=1,
-            num_kv_heads=1,
-            head_dim=2,
-            context_length=context,
-        )
-        self._next: dict[int, tuple[int, int]] = {}  # slot -> (next position, script index)
-        self.dummy = nn.Parameter(torch.zeros(1))
-
-    def forward(
-        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
-    ) -> torch.Tensor:
-        """Return (B, 1, V) logits with a single clear winner per row."""
-        B, T = idx.shape  # (B, T)
-        out = torch.full((B, 1, self.config.vocab_size), -10.0)
-        for row, (slot, start) in enumerate(zip(batch.slots, batch.starts, strict=True)):
-            pos, k = self._next.get(slot, (-1, 0))
-            k = k if (T == 1 and start == pos) else 0
-            token = self.script[k] if k < len(self.script) else self.end_id
-            out[row, 0, token] = 10.0
-            self._next[slot] = (start + T, k + 1)
-        return out
-
-
-def forced_backend(script: str, *, context: int = 256, max_batch: int = 2) -> TorchBackend:
-    """The real engine over ``ForcedSequenceModel`` writing ``script``, with the tiny tokenizer.
-
-    The card has the ChatML template and the tokenizer's reasoning/tool markers, so everything
-    but the choice of tokens (decoder, router, tool parser, stop matcher, scheduler) is real.
-    """
-    tk = tiny_tokenizer()
-    card = build_card(
-        name="forced",
-        architecture="forced",
-        context_length=context,
-        tokenizer=tk,
-        chat_template=CHAT_TEMPLATE,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        eos_token_ids=[2],
-        add_bos_token=False,
-        source="test",
-    )
-    model = ForcedSequenceModel(
-        tk.encode(script).ids, tk.get_vocab_size(), end_id=2, context=context
-    )
-    loaded = LoadedModel(
-        model=model,  # type: ignore[arg-type]  # a double with the model interface
-        tokenizer=tk,
-        card=card,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        load_seconds=0.0,
-    )
-    return TorchBackend(loaded, max_batch=max_batch)
 
 
 CPU = torch.device("cpu")

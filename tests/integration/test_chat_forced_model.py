@@ -25,8 +25,8 @@ from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry
 from shared.config import Settings
+from tests.forced_model import forced_backend as forced_model_backend
 from tests.invariants import check_stream
-from tests.worker_models import forced_backend as forced_model_backend
 
 pytestmark = pytest.mark.integration
 

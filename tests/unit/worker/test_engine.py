@@ -29,8 +29,9 @@ from shared.events import (
     Usage,
 )
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart, ToolDef
+from tests.forced_model import forced_backend
 from tests.invariants import check_stream, generated_token_ids
-from tests.worker_models import forced_backend, tiny_tokenizer, write_hf_model
+from tests.worker_models import tiny_tokenizer, write_hf_model
 
 torch.set_num_threads(1)
 

@@ -19,9 +19,10 @@ from services.worker.parsing.decoder import OutputDecoder
 from shared.accumulate import fold
 from shared.events import AnyEvent, Start
 from shared.jobs import GenerateRequest, SamplingParams
+from tests.forced_model import ForcedSequenceModel
 from tests.invariants import check_stream, generated_token_ids
 from tests.unit.worker.decoder_harness import TOK, WEATHER, drive, ids, make_card, make_job
-from tests.worker_models import CHAT_TEMPLATE, ForcedSequenceModel
+from tests.worker_models import CHAT_TEMPLATE
 
 torch.set_num_threads(1)
 
