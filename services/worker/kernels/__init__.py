@@ -10,7 +10,8 @@ with no torch headers, and a call costs a couple of microseconds. The library li
 
 The build is keyed by the source, the flags and the CPU's feature flags, so a cache directory
 shared between machines never serves a binary built for another CPU. ``SLUICE_KERNEL_DIR`` moves
-the cache (the worker image builds into it at image build time). No compiler, or a failed build:
+the cache (the worker image points it at /tmp; the build runs at worker start, for the CPU it
+runs on). No compiler, or a failed build:
 ``load()`` returns None and logs why, and the engine falls back to torch's own int4 kernels.
 """
 
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "QK",
     "Activations",
     "Kernels",
     "Layer",

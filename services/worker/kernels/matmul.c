@@ -72,7 +72,7 @@ void sl_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, fl
 
 /* RMSNorm(x) * w, quantized; the normalized floats only go to tmp (they only feed a matmul). */
 void rmsnorm_quantize_body(const float *x, const float *w, float eps, int64_t M, int64_t K,
-                                  int8_t *xq, float *xd, float *xs, float *tmp) {
+                           int8_t *xq, float *xd, float *xs, float *tmp) {
     const int64_t nb = K / QK;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
@@ -94,7 +94,7 @@ void sl_rmsnorm_quantize(const float *x, const float *w, float eps, int64_t M, i
 
 /* silu(gate) * up for rows laid out [gate (I), up (I)], quantized for the down projection. */
 void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd,
-                                 float *xs, float *tmp) {
+                          float *xs, float *tmp) {
     const int64_t nb = I / QK;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
@@ -122,15 +122,14 @@ void sl_swiglu_quantize(const float *gu, int64_t M, int64_t I, int8_t *xq, float
 
 /* ---- quantized matmuls: y[m, n] (+)= sum_k x[m, k] w[n, k] (+ bias[n]) ------------------- */
 
-
 static inline void store(float *y, float v, const float *bias, int64_t n, int accumulate) {
     if (bias) v += bias[n];
     if (accumulate) v += *y;
     *y = v;
 }
 
-/* One output row n against mt (<= MT) activation rows. always_inline + a literal mt per call site
- * lets the compiler keep the accumulators in registers. */
+/* One Q8_0 output row against mt (<= MT) activation rows. always_inline + a literal mt per call
+ * site (DISPATCH_TILE) lets the compiler keep the accumulators in registers. */
 #if SL_AVX2
 static inline __attribute__((always_inline)) void q8_0_tile(const int mt, int64_t nb, int64_t K,
                                                             const int8_t *wr, const float *dr,
@@ -140,7 +139,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int mt, int64_
     __m256 acc[MT];
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     int64_t b = 0;
-    if (mt == 1) { /* one row (decode): two chains, as in q4_1_tile */
+    if (mt == 1) { /* one row (decode): two chains, so the FMA latency is not the bound */
         __m256 acc2 = _mm256_setzero_ps();
         for (; b + 2 <= nb; b += 2) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
@@ -241,8 +240,8 @@ static inline __attribute__((always_inline)) void q4x8_tile(const int mt, int64_
 #endif
 
 void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                           const float *xs, const uint8_t *wq, const float *wd, const float *wm,
-                           const float *bias, float *y, int accumulate) {
+                    const float *xs, const uint8_t *wq, const float *wd, const float *wm,
+                    const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
@@ -255,12 +254,7 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
             __m256 acc[MT];
             const int8_t *x = xq + m0 * K;
             const float *d = xd + m0 * nb, *s = xs + m0 * nb;
-            switch (mt) {
-            case 4: q4x8_tile(4, nb, K, wg, dg, mg, x, d, s, acc); break;
-            case 3: q4x8_tile(3, nb, K, wg, dg, mg, x, d, s, acc); break;
-            case 2: q4x8_tile(2, nb, K, wg, dg, mg, x, d, s, acc); break;
-            default: q4x8_tile(1, nb, K, wg, dg, mg, x, d, s, acc); break;
-            }
+            DISPATCH_TILE(q4x8_tile, mt, nb, K, wg, dg, mg, x, d, s, acc)
             for (int t = 0; t < mt; t++) _mm256_storeu_ps(out[t], acc[t]);
 #else
             for (int t = 0; t < mt; t++) {
@@ -297,8 +291,8 @@ void sl_gemm_q4_1(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
 }
 
 void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                           const int8_t *wq, const float *wd, const float *bias, float *y,
-                           int accumulate) {
+                    const int8_t *wq, const float *wd, const float *bias, float *y,
+                    int accumulate) {
     const int64_t nb = K / QK;
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {

@@ -39,7 +39,6 @@
 #define QK 32
 #define MT 4 /* activation rows per weight pass: a weight block is unpacked once per MT rows */
 
-
 /* ---- vector helpers ----------------------------------------------------------------------- */
 
 #if SL_AVX2
@@ -73,8 +72,8 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
-
 #endif
+
 /* Stages shared between the files: each holds an orphaned `omp for`, so called inside a parallel
  * region (sl_decode) it shares that region's threads and ends on its barrier. Hidden: only the
  * sl_* entry points are exported. */

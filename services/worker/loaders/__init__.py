@@ -48,7 +48,7 @@ class ModelLoadError(Exception):
 class LoadedModel:
     """A model ready for the engine: weights on their device, tokenizer, published card."""
 
-    model: LlamaModel | QuantizedLlama  # QuantizedLlama: CPU 4-bit decode around the dense model
+    model: LlamaModel | QuantizedLlama  # QuantizedLlama: a 4-bit CPU model on sluice's kernels
     tokenizer: Tokenizer
     card: ModelCard
     device: torch.device
@@ -146,10 +146,10 @@ def build_card(
 
 def quantize_for_cpu(model: LlamaModel, k: Kernels | None) -> LlamaModel | QuantizedLlama:
     """Decode from 4-bit blocks: sluice's CPU kernels ``k`` when they built here, else torch's
-    int4 kernels (slower: about a third of the speed at one stream).
+    int4 kernels (about a quarter of the speed at one stream).
 
-    The kernels path keeps the dense model for prefill (see ``models.quantized``); torch's int4
-    path replaces the block linears in place.
+    The kernels path wraps the model and frees its dense linears (see ``models.quantized``);
+    torch's int4 path replaces the block linears in place.
     """
     from services.worker.models.quantized import supports
 

@@ -24,7 +24,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from services.worker.kernels import Activations, Kernels, Layer, Linear, Model, Scratch
+from services.worker.kernels import QK, Activations, Kernels, Layer, Linear, Model, Scratch
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.models.llama import Attention, Block, LlamaModel
 
@@ -37,8 +37,6 @@ __all__ = [
     "supports",
     "unpack_q4_1",
 ]
-
-QK = 32
 
 
 def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,6 +216,8 @@ class QuantizedLlama(nn.Module):
             self.head.struct(),
         )
         self.scratch: dict[int, tuple[Scratch, list[torch.Tensor]]] = {}
+        # The widest matmul input: every quantized activation buffer is sized for it.
+        self.act_width = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
 
     def forward(
         self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
@@ -236,7 +236,7 @@ class QuantizedLlama(nn.Module):
         B, T = idx.shape
         rows, C, eps = B * T, cfg.hidden_size, cfg.rms_norm_eps
         x = self.model.embed_tokens(idx).view(rows, C).contiguous()  # residual stream
-        act = Activations(rows, max(C, cfg.intermediate_size, cfg.num_heads * cfg.head_dim))
+        act = Activations(rows, self.act_width)
         qkv = torch.empty(rows, self.blocks[0].qkv.out_features)
         gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
         cos = self.rope[0][batch.positions].unsqueeze(1)  # (B, 1, T, hd)
@@ -263,13 +263,13 @@ class QuantizedLlama(nn.Module):
         cfg = self.config
         held = self.scratch.get(rows)
         if held is None or held[1][-1].numel() < rows * cfg.num_heads * span:
-            width = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+            act = Activations(rows, self.act_width)
             tensors = [
-                torch.empty(rows, width, dtype=torch.int8),  # xq
-                torch.empty(rows, width // QK),  # xd
-                torch.empty(rows, width // QK),  # xs
-                torch.empty(rows, width),  # tmp
-                torch.empty(rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim),
+                act.q,
+                act.d,
+                act.s,
+                act.tmp,
+                torch.empty(rows, self.blocks[0].qkv.out_features),
                 torch.empty(rows, cfg.num_heads * cfg.head_dim),  # attended
                 torch.empty(rows, 2 * cfg.intermediate_size),  # gate_up
                 torch.empty(rows * cfg.num_heads * max(span, 256) * 2),  # scores
