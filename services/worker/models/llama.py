@@ -278,6 +278,14 @@ class LlamaModel(nn.Module):
         # Plain attributes, not buffers: model.to(bfloat16) must not round the fp32 tables.
         self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
 
+    def rope_at(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos and sin (B, 1, T, hd) for (B, T) ``positions``, in ``dtype``."""
+        cos = self.rope_cos[positions].unsqueeze(1).to(dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
     def forward(
         self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
     ) -> torch.Tensor:
@@ -288,8 +296,7 @@ class LlamaModel(nn.Module):
                 self.rope_sin.to(idx.device),
             )
         x = self.embed_tokens(idx)  # (B, T, C)
-        cos = self.rope_cos[batch.positions].unsqueeze(1).to(x.dtype)  # (B, 1, T, hd)
-        sin = self.rope_sin[batch.positions].unsqueeze(1).to(x.dtype)  # (B, 1, T, hd)
+        cos, sin = self.rope_at(batch.positions, x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, batch, cache)
         x = self.norm(x[:, -n_logits:])  # (B, n, C): skip the lm_head for prefill positions

@@ -199,7 +199,6 @@ class QuantizedLlama(nn.Module):
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.head = PackedLinear(model.lm_head.weight, model.lm_head.bias, "q8_0")
         _release_dense(model)  # after every PackedLinear above has copied what it needs
-        self.rope = (model.rope_cos.contiguous(), model.rope_sin.contiguous())  # (ctx, hd) fp32
         self.layer_structs = (Layer * len(self.blocks))(*(b.struct() for b in self.blocks))
         self.struct = Model(
             cfg.num_layers,
@@ -209,8 +208,8 @@ class QuantizedLlama(nn.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
             cfg.rms_norm_eps,
-            self.rope[0].data_ptr(),
-            self.rope[1].data_ptr(),
+            model.rope_cos.data_ptr(),  # (ctx, hd) fp32, contiguous, kept alive by self.model
+            model.rope_sin.data_ptr(),
             self.final_norm.data_ptr(),
             self.layer_structs,
             self.head.struct(),
@@ -239,8 +238,7 @@ class QuantizedLlama(nn.Module):
         act = Activations(rows, self.act_width)
         qkv = torch.empty(rows, self.blocks[0].qkv.out_features)
         gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
-        cos = self.rope[0][batch.positions].unsqueeze(1)  # (B, 1, T, hd)
-        sin = self.rope[1][batch.positions].unsqueeze(1)
+        cos, sin = self.model.rope_at(batch.positions, torch.float32)  # (B, 1, T, hd)
         for blk, attention in zip(self.blocks, self.attention, strict=True):
             k.rmsnorm_quantize(x, blk.input_norm, eps, act)
             blk.qkv(k, act, qkv)
