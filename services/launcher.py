@@ -36,17 +36,7 @@ from services.redis_local import (
 )
 from shared.config import Settings
 
-__all__ = [
-    "PrivateRedis",
-    "curl_line",
-    "find_redis_server",
-    "pick_model",
-    "port_free",
-    "redis_answers",
-    "run_up",
-    "start_private_redis",
-    "worker_threads",
-]
+__all__ = ["curl_line", "pick_model", "port_free", "run_up", "worker_threads"]
 
 _POLL_S = 0.1
 _READY_POLL_S = 0.25  # each probe is an access-log line in the API output

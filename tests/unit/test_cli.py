@@ -16,14 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import (
-    curl_line,
-    find_redis_server,
-    pick_model,
-    port_free,
-    redis_answers,
-    start_private_redis,
-)
+from services.launcher import curl_line, pick_model, port_free
+from services.redis_local import find_redis_server, redis_answers, start_private_redis
 from shared.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,8 +1,15 @@
 """sluice's CPU kernels (``matmul.c``, ``decode.c``): built on first use, loaded with ctypes.
 
 Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
-cache directory, loading it, and thin typed wrappers that take torch tensors. Knows nothing about
+cache directory, loading the library, and stating its ABI on the Python side. Knows nothing about
 models: ``services.worker.models.quantized`` decides what to call.
+
+The ABI is two things here, kept next to each other so a change to ``sluice_cpu.h`` has one
+Python place to follow: ``SIGNATURES`` (every exported function's argument types, set as ctypes
+``argtypes`` at load, so a wrong argument count fails loudly) and the ``ctypes.Structure``
+mirrors of the header's structs (``Linear``, ``Layer``, ``Model``, ``Scratch``). The activation
+kernels have typed methods on ``Kernels`` that take tensors; the GEMMs and the whole decode step
+are called directly as ``Kernels.lib.sl_*`` by the quantized model, which owns their buffers.
 
 Why ctypes and plain C rather than a torch extension: the files build in about two seconds
 with no torch headers, and a call costs a couple of microseconds. The library links the same
@@ -195,8 +202,9 @@ class Activations:
 
 
 class Kernels:
-    """The loaded library, with wrappers that pass tensors by address (no copies, no checks
-    beyond what the callers' shapes already guarantee)."""
+    """The loaded library (``lib``, argtypes set from ``SIGNATURES``) and typed methods for the
+    activation kernels, which pass tensors by address (no copies, no checks beyond what the
+    callers' shapes already guarantee)."""
 
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
