@@ -116,3 +116,14 @@ ensure_docker_compose() {
     apt_install docker-compose && return 0
     log "docker-compose is missing (apt-get install docker-compose); its test will not pass"
 }
+
+# ensure_tool CMD PKG: make CMD available (installing Debian's PKG as root). Exit 0 when CMD is
+# there; otherwise fail under CI=true and warn on a developer machine, which then skips it.
+ensure_tool() {
+    local cmd="$1" pkg="$2"
+    command -v "$cmd" >/dev/null 2>&1 && return 0
+    apt_install "$pkg" && command -v "$cmd" >/dev/null 2>&1 && return 0
+    [[ "${CI:-}" == true ]] && die "$cmd is required in CI (apt-get install $pkg)"
+    log "$cmd is missing (apt-get install $pkg): skipping its check"
+    return 1
+}

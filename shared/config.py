@@ -22,6 +22,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8000  # SLUICE_PORT
     api_keys: list[str] = []  # SLUICE_API_KEYS (comma-separated); empty = auth off
     api_keys_file: str | None = None  # SLUICE_API_KEYS_FILE (one key per line)
+    api_key: str | None = None  # SLUICE_API_KEY: the key `sluice replay` sends
     model: str = "smollm2"  # SLUICE_MODEL: what `sluice worker` serves by default
     model_name: str | None = None  # SLUICE_MODEL_NAME: the public id (default: derived)
     retention_s: int = 86_400  # SLUICE_RETENTION_S: TTL of event streams and request hashes
@@ -43,6 +44,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"  # SLUICE_DEVICE: auto | cpu | cuda
     dtype: str = "auto"  # SLUICE_DTYPE: auto | float32 | bfloat16 | float16 | int4
     cpu_kernels: bool = True  # SLUICE_CPU_KERNELS: 4-bit CPU models on sluice's C kernels
+    kernel_dir: str | None = None  # SLUICE_KERNEL_DIR: kernel build cache (~/.cache/sluice/kernels)
     threads: int = 0  # SLUICE_THREADS: torch CPU threads (0 = torch default)
     log_level: str = "info"  # SLUICE_LOG_LEVEL
     # SLUICE_MAX_CACHED_TOKENS: a worker admits a sequence only while the tokens reserved by

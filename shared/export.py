@@ -115,7 +115,7 @@ def cli_replay(settings: Settings, source: str, realtime: bool) -> int:
         src = RecordedSource(source, realtime=realtime)
     else:
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-        key = os.environ.get("SLUICE_API_KEY") or next(iter(sorted(settings.all_api_keys())), None)
+        key = settings.api_key or next(iter(sorted(settings.all_api_keys())), None)
         src = LiveSource(f"http://{host}:{settings.port}", key, request_id=source)
 
     async def run() -> bool:

@@ -137,9 +137,9 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("SLUICE_KERNEL_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "sluice" / "kernels"
+def default_dir() -> Path:
+    """Where builds are cached unless ``SLUICE_KERNEL_DIR`` (``Settings.kernel_dir``) says."""
+    return Path.home() / ".cache" / "sluice" / "kernels"
 
 
 def _library_path(flags: list[str], directory: Path) -> Path:
@@ -162,7 +162,7 @@ def build(flags: list[str] | None = None, directory: Path | None = None) -> Path
         RuntimeError: no C compiler, or it failed (its output is in the message).
     """
     flags = FLAGS if flags is None else flags
-    target = _library_path(flags, directory or _cache_dir())
+    target = _library_path(flags, directory or default_dir())
     if target.exists():
         return target
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -249,14 +249,15 @@ _tried = False
 _lock = threading.Lock()
 
 
-def load() -> Kernels | None:
-    """The kernels, built and loaded once per process; None when they cannot be built here."""
+def load(directory: Path | None = None) -> Kernels | None:
+    """The kernels, built (into ``directory``, default ``default_dir()``) and loaded once per
+    process; None when they cannot be built here."""
     global _loaded, _tried
     with _lock:
         if not _tried:
             _tried = True
             try:
-                _loaded = Kernels(build())
+                _loaded = Kernels(build(directory=directory))
             except (OSError, RuntimeError) as exc:
                 log.warning("sluice CPU kernels unavailable, using torch's int4 kernels: %s", exc)
         return _loaded

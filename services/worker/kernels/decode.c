@@ -8,7 +8,8 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
 #if SL_AVX2
     __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     s = hsum(acc);
 #endif
     for (; i < n; i++) s += a[i] * b[i];
@@ -20,7 +21,8 @@ static inline void axpy_f32(float a, const float *x, float *y, int64_t n) {
 #if SL_AVX2
     const __m256 va = _mm256_set1_ps(a);
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i,
+                         _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
     for (; i < n; i++) y[i] += a * x[i];
 }
@@ -91,7 +93,8 @@ static void attend(const float *q, const float *keys, const float *vals, int64_t
         for (t = 0; t < S; t++) {
             const __m256 w = _mm256_set1_ps(p[t] * inv);
             const float *v = vals + t * hd + d0;
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
     }
@@ -104,7 +107,8 @@ static void attend(const float *q, const float *keys, const float *vals, int64_t
 
 /* qkv: [B, (H + 2 KV) * hd] straight from the fused projection (rotated in place).
  * For row b the new token sits at position pos[b] of cache slot slots[b]; it is written there,
- * then attends to positions 0..pos[b]. out: [B, H * hd]. scores: B * H * span floats, span > max pos. */
+ * then attends to positions 0..pos[b]. out: [B, H * hd].
+ * scores: B * H * span floats, span > max pos. */
 static void attention_decode_body(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qkv,
                                   const float *cos_table, const float *sin_table,
                                   const int64_t *pos, const int64_t *slots, float *kc, float *vc,
@@ -182,8 +186,8 @@ typedef struct {
 } sl_scratch;
 
 static void q4_linear(const sl_linear *l, int64_t M, const sl_scratch *w, float *y, int acc) {
-    gemm_q4_1_body(M, l->n, l->k, w->xq, w->xd, w->xs, (const uint8_t *)l->q, l->d, l->m,
-                   l->bias, y, acc);
+    gemm_q4_1_body(M, l->n, l->k, w->xq, w->xd, w->xs, (const uint8_t *)l->q, l->d, l->m, l->bias,
+                   y, acc);
 }
 
 /* x: [B, hidden] embeddings in, final hidden state out; logits: [B, vocab]. One parallel region
@@ -211,7 +215,7 @@ void sl_decode(const sl_model *m, int64_t B, float *x, const int64_t *pos, const
             q4_linear(&L->down, B, w, x, 1);
         }
         rmsnorm_quantize_body(x, m->final_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
-        gemm_q8_0_body(B, m->head.n, m->head.k, w->xq, w->xd, (const int8_t *)m->head.q,
-                       m->head.d, m->head.bias, logits, 0);
+        gemm_q8_0_body(B, m->head.n, m->head.k, w->xq, w->xd, (const int8_t *)m->head.q, m->head.d,
+                       m->head.bias, logits, 0);
     }
 }

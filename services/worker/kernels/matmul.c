@@ -24,14 +24,16 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
         const __m256 vinv = _mm256_set1_ps(vscale > 0.0f ? 1.0f / vscale : 0.0f);
         __m256i i32[4];
         for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
-                                               _mm256_add_epi32(i32[2], i32[3]));
+        const __m256i sum32 =
+            _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
         /* packs interleave 128-bit lanes; the permute puts the 32 bytes back in order */
-        const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+        const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]),
+                      i16b = _mm256_packs_epi32(i32[2], i32[3]);
         const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + b * QK), i8);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+        __m128i s4 =
+            _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
         d[b] = vscale;
@@ -61,7 +63,8 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
 void quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
     const int64_t nb = K / QK;
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
 }
 
 void sl_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
@@ -93,8 +96,8 @@ void sl_rmsnorm_quantize(const float *x, const float *w, float eps, int64_t M, i
 }
 
 /* silu(gate) * up for rows laid out [gate (I), up (I)], quantized for the down projection. */
-void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd,
-                          float *xs, float *tmp) {
+void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd, float *xs,
+                          float *tmp) {
     const int64_t nb = I / QK;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
@@ -105,7 +108,8 @@ void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq, flo
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= I; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+            const __m256 sig =
+                _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
             _mm256_storeu_ps(t + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
         }
 #endif
@@ -184,12 +188,20 @@ static void q8_0_tile(const int mt, int64_t nb, int64_t K, const int8_t *wr, con
 }
 #endif
 
-#define DISPATCH_TILE(fn, mt, ...)                                                            \
-    switch (mt) {                                                                              \
-    case 4: fn(4, __VA_ARGS__); break;                                                         \
-    case 3: fn(3, __VA_ARGS__); break;                                                         \
-    case 2: fn(2, __VA_ARGS__); break;                                                         \
-    default: fn(1, __VA_ARGS__); break;                                                        \
+#define DISPATCH_TILE(fn, mt, ...)                                                                 \
+    switch (mt) {                                                                                  \
+    case 4:                                                                                        \
+        fn(4, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 3:                                                                                        \
+        fn(3, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        fn(2, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    default:                                                                                       \
+        fn(1, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
     }
 
 /* Q4_1 weights, eight rows interleaved: for rows 8g..8g+7 and block b, four 32-byte vectors
@@ -209,11 +221,9 @@ static inline __m256i bcast4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
-static inline __attribute__((always_inline)) void q4x8_tile(const int mt, int64_t nb, int64_t K,
-                                                            const uint8_t *wg, const float *dg,
-                                                            const float *mg, const int8_t *xq,
-                                                            const float *xd, const float *xs,
-                                                            __m256 *acc) {
+static inline __attribute__((always_inline)) void
+q4x8_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wg, const float *dg, const float *mg,
+          const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -268,7 +278,8 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
                         for (int j = 0; j < 4; j++)
                             for (int i = 0; i < 4; i++) {
                                 const uint8_t byte = wb[32 * j + 4 * r + i];
-                                dot += (byte & 0x0F) * x[4 * j + i] + (byte >> 4) * x[16 + 4 * j + i];
+                                dot +=
+                                    (byte & 0x0F) * x[4 * j + i] + (byte >> 4) * x[16 + 4 * j + i];
                             }
                         sum += dg[b * 8 + r] * xd[row * nb + b] * (float)dot +
                                mg[b * 8 + r] * xs[row * nb + b];
@@ -278,7 +289,8 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
             }
 #endif
             for (int t = 0; t < mt; t++)
-                for (int r = 0; r < 8; r++) store(y + (m0 + t) * N + g * 8 + r, out[t][r], bias, g * 8 + r, accumulate);
+                for (int r = 0; r < 8; r++)
+                    store(y + (m0 + t) * N + g * 8 + r, out[t][r], bias, g * 8 + r, accumulate);
         }
     }
 }

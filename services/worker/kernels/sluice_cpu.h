@@ -63,7 +63,8 @@ static inline __m256 exp256(__m256 x) {
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
     y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
@@ -82,14 +83,13 @@ SL_INTERNAL void quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq,
                                float *xs);
 SL_INTERNAL void rmsnorm_quantize_body(const float *x, const float *w, float eps, int64_t M,
                                        int64_t K, int8_t *xq, float *xd, float *xs, float *tmp);
-SL_INTERNAL void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq,
-                                      float *xd, float *xs, float *tmp);
-SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq,
-                                const float *xd, const float *xs, const uint8_t *wq,
-                                const float *wd, const float *wm, const float *bias, float *y,
+SL_INTERNAL void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd,
+                                      float *xs, float *tmp);
+SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                                const float *xs, const uint8_t *wq, const float *wd,
+                                const float *wm, const float *bias, float *y, int accumulate);
+SL_INTERNAL void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                                const int8_t *wq, const float *wd, const float *bias, float *y,
                                 int accumulate);
-SL_INTERNAL void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq,
-                                const float *xd, const int8_t *wq, const float *wd,
-                                const float *bias, float *y, int accumulate);
 
 #endif
