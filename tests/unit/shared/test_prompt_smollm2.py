@@ -1,8 +1,9 @@
 """The prompt renderer on the default model's real tokenizer and template (read from the GGUF).
 
-Expected ids are the ones recorded in the handbook (smollm2-gguf.md), which match transformers
-and llama.cpp. Only GGUF metadata is read (memory-mapped), no weights are dequantized, but
-parsing the file and importing the loader takes tens of seconds on a busy machine: ``slow``.
+Expected ids were recorded with transformers (``AutoTokenizer`` on the same GGUF) and llama.cpp
+(``tokenize(..., special=True)``), which agree on all of them. Only GGUF metadata is read
+(memory-mapped), no weights are dequantized, but parsing the file and importing the loader
+takes tens of seconds on a busy machine: ``slow``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_default_system_prompt_ids_match_the_reference() -> None:
     ids = smollm2().render(job("Hello world! 123")).token_ids
     system = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
     assert ids[:20] == [*system, 411, 407, 19712, 8182, 2]
-    hello = [19556, 905, 17, 216, 33, 34, 35]  # "Hello world! 123" in the handbook
+    hello = [19556, 905, 17, 216, 33, 34, 35]  # "Hello world! 123" per transformers and llama.cpp
     assert ids[-13:] == [*hello, 2, 198, 1, 520, 9531, 198]
     assert smollm2().card.reasoning is None and smollm2().card.tools is None
 
