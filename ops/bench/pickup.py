@@ -38,12 +38,12 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
-from services.worker.jobs import FUNCTION_NAME
 from services.worker.main import arq_deserialize, arq_serialize
 from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import Start, is_terminal
 from shared.jobs import GenerateRequest, Message, TextPart
+from shared.protocol import JOB_FUNCTION
 
 MODEL = "bench-pickup"
 SPEC = "scripted:long?rate=2&max_batch=16"
@@ -102,7 +102,7 @@ async def enqueue(arq: ArqRedis, j: GenerateRequest) -> float:
     await arq.hset(keys.request(j.request_id), mapping={"job": payload})  # type: ignore[misc]
     t0 = time.time()
     await arq.enqueue_job(
-        FUNCTION_NAME, payload, _job_id=j.request_id, _queue_name=keys.queue(MODEL), _expires=60
+        JOB_FUNCTION, payload, _job_id=j.request_id, _queue_name=keys.queue(MODEL), _expires=60
     )
     return t0
 

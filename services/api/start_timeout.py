@@ -7,13 +7,14 @@ nobody is watching (a background Responses request, a client that left), ``sweep
 same from the in-flight sets every few seconds.
 
 Ending the request must never race a worker that picks it up at the same moment into a second
-terminal event or a ``Start`` after the ``Error``. The claim is one Lua script over the
-request's own keys: if the stream holds any event, a worker started it (nothing to do); else it
-takes the request lease with ``SET NX`` (the lease the worker's ``ACQUIRE`` and fenced
-``PUBLISH`` scripts check) and appends ``Error(overloaded, retryable)``. A worker that already
-holds the lease makes the ``SET NX`` fail, so the API backs off; a worker that comes later finds
-the lease taken (``ACQUIRE`` refuses it) or the terminal event in the history it reads first,
-and does nothing. Only after a successful claim is the arq job removed from the queue and the
+terminal event or a ``Start`` after the ``Error``. The claim is the protocol's
+``CLAIM_UNSTARTED`` script (``shared.protocol``) over the request's own keys: if the stream holds
+any event, a worker started it (nothing to do); else it takes the request lease as
+``api-timeout`` with ``SET NX`` (the lease the worker's ``ACQUIRE`` and fenced ``PUBLISH``
+scripts check) and appends ``Error(overloaded, retryable)``. A worker that already holds the
+lease makes the ``SET NX`` fail, so the API backs off; a worker that comes later finds the lease
+taken (``ACQUIRE`` refuses it) or the terminal event in the history it reads first, and does
+nothing. Only after a successful claim is the arq job removed from the queue and the
 request dropped from the in-flight set (best effort: the lease already fences any worker).
 """
 
@@ -22,19 +23,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import redis.asyncio as aioredis
-from arq.constants import job_key_prefix
 
+from services import arq_keys
 from shared import keys
-from shared.codec import SCHEMA_VERSION, encode_event
+from shared.codec import encode_event
 from shared.config import Settings
 from shared.events import Error
+from shared.protocol import Claim, Scripts
 
 __all__ = [
-    "API_TIMEOUT_OWNER",
-    "Claim",
     "claim_unstarted",
     "start_deadline",
     "sweep_loop",
@@ -42,36 +41,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-API_TIMEOUT_OWNER = "api-timeout"  # the lease value: not a worker id, never "recovering:"
-
-# KEYS: events, lease, request. ARGV: owner, lease_ttl_ms, maxlen, retention_s, version, body.
-# Returns 0 when the stream already has an event, -1 when someone holds the lease, -2 when the
-# request itself is gone (retention expired: nothing to end), 1 when the Error was appended under
-# our lease. All keys share the {rid} hash tag (Cluster-safe).
-_CLAIM = """
-if redis.call('XLEN', KEYS[1]) > 0 then
-  return 0
-end
-if redis.call('EXISTS', KEYS[3]) == 0 then
-  return -2
-end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return -1
-end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'v', ARGV[5], 'e', ARGV[6])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 1
-"""
-
-
-class Claim:
-    """What ``claim_unstarted`` found (plain int constants: the script's return values)."""
-
-    STARTED = 0  # the stream has events: a worker started it
-    HELD = -1  # a worker (or a recovery claim) holds the lease: it is about to start
-    GONE = -2  # no request hash (expired or never stored): nothing to end
-    TIMED_OUT = 1  # the Error is on the stream; the request is over
 
 
 async def start_deadline(redis: aioredis.Redis, rid: str, settings: Settings) -> float:
@@ -117,17 +86,12 @@ async def claim_unstarted(redis: aioredis.Redis, rid: str, settings: Settings) -
     )
     # The lease outlives the stream's readers: a worker that read an empty history just before
     # the claim must still find the lease taken when its ACQUIRE runs.
-    args: list[Any] = [
-        API_TIMEOUT_OWNER,
-        int(settings.retention_s * 1000),
-        settings.stream_maxlen,
-        settings.retention_s,
-        SCHEMA_VERSION,
+    result = await Scripts(redis).claim_unstarted(
+        rid,
         encode_event(error),
-    ]
-    untyped: Any = redis  # redis-py's stubs type every EVAL argument as str
-    result = int(
-        await untyped.eval(_CLAIM, 3, keys.events(rid), keys.lease(rid), keys.request(rid), *args)
+        lease_ms=int(settings.retention_s * 1000),
+        maxlen=settings.stream_maxlen,
+        retention_s=settings.retention_s,
     )
     if result == Claim.TIMED_OUT:
         logger.warning("%s: no worker started it within %gs", rid, settings.start_timeout_s)
@@ -142,7 +106,7 @@ async def _dequeue(redis: aioredis.Redis, rid: str) -> None:
             if model is not None:
                 pipe.zrem(keys.queue(model.decode()), rid)
                 pipe.zrem(keys.inflight(model.decode()), rid)
-            pipe.delete(f"{job_key_prefix}{rid}")
+            pipe.delete(arq_keys.job(rid))
             await pipe.execute()
     except Exception:  # boundary: the lease already fences any worker; this is tidying up
         logger.exception("%s: could not remove the timed-out job", rid)

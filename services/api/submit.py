@@ -27,13 +27,12 @@ from shared.errors import (
     RateLimited,
 )
 from shared.jobs import GenerateRequest
+from shared.protocol import JOB_FUNCTION
 
 if TYPE_CHECKING:
     from services.api.app import AppState
 
-__all__ = ["ARQ_FUNCTION", "cancel", "load_job", "new_request_id", "submit"]
-
-ARQ_FUNCTION = "generate"  # the job function services/worker/jobs.py registers
+__all__ = ["cancel", "load_job", "new_request_id", "submit"]
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -104,7 +103,7 @@ async def submit(
     await _store(state, job)
     payload = encode_job(job)
     await state.arq.enqueue_job(
-        ARQ_FUNCTION,
+        JOB_FUNCTION,
         payload,
         _job_id=rid,
         _queue_name=queue,

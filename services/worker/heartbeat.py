@@ -15,11 +15,11 @@ import logging
 import time
 from importlib import metadata
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from services.worker.jobs import WorkerContext
-from services.worker.publisher import REFRESH
 from shared import keys
+from shared.protocol import LEASE_LOST, Scripts
 
 __all__ = ["beat_once", "heartbeat_loop", "retire"]
 
@@ -37,6 +37,7 @@ async def beat_once(wc: WorkerContext) -> None:
     ttl_ms = int(wc.settings.heartbeat_s * 3000)
     lease_ms = int(wc.settings.lease_ttl_s * 1000)
     active = list(wc.active.values())
+    scripts = Scripts(wc.redis)
     async with wc.redis.pipeline(transaction=False) as pipe:
         pipe.hset(
             keys.worker(wc.wid),
@@ -53,16 +54,13 @@ async def beat_once(wc: WorkerContext) -> None:
         # Anything not seen for a minute is gone: keep the registry from growing forever.
         pipe.zremrangebyscore(keys.workers(), "-inf", now_ms - max(ttl_ms, 60_000))
         for job in active:
-            REFRESH.queue(pipe, [keys.lease(job.rid), keys.cancel(job.rid)], [wc.wid, lease_ms])
+            await scripts.queue_refresh(pipe, job.rid, wc.wid, lease_ms)
         results = await pipe.execute(raise_on_error=False)
-    if any(isinstance(r, NoScriptError) for r in results):
-        await REFRESH.load(wc.redis)  # Redis restarted and lost its script cache; next beat works
-        return
     for job, result in zip(active, results[4:], strict=True):
         if isinstance(result, Exception):
             log.warning("%s: lease refresh failed: %s", job.rid, result)
             continue
-        if result < 0:
+        if result == LEASE_LOST:
             job.lease_lost = True
         elif result == 1:
             job.cancel_requested = True
@@ -73,7 +71,6 @@ async def beat_once(wc: WorkerContext) -> None:
 
 async def heartbeat_loop(wc: WorkerContext) -> None:
     """Beat every ``heartbeat_s`` until cancelled; Redis hiccups are logged, not fatal."""
-    await REFRESH.load(wc.redis)
     while True:
         try:
             await beat_once(wc)

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
 from services.worker.backend import Backend
-from services.worker.publisher import ACQUIRE, Outcome, Publisher
+from services.worker.publisher import Outcome, Publisher
 from shared import keys
 from shared.codec import decode_entry, decode_job, encode_job
 from shared.config import Settings
@@ -36,12 +35,11 @@ from shared.events import (
 )
 from shared.jobs import GenerateRequest
 
-__all__ = ["CTX_KEY", "FUNCTION_NAME", "ActiveJob", "WorkerContext", "generate", "run_job"]
+__all__ = ["CTX_KEY", "ActiveJob", "WorkerContext", "generate", "run_job"]
 
 log = logging.getLogger(__name__)
 
 CTX_KEY = "sluice"  # where main.py puts the WorkerContext in arq's ctx
-FUNCTION_NAME = "generate"  # the arq function name the API enqueues
 
 
 @dataclass
@@ -118,11 +116,7 @@ async def run_job(wc: WorkerContext, job: GenerateRequest) -> None:
     """Generate ``job`` onto its stream (idempotent; resumes a lost worker's partial output)."""
     rid = job.request_id
     pub = Publisher(wc.redis, rid, wc.wid, wc.settings)
-    try:
-        entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
-    except NoScriptError:  # Redis restarted and forgot our scripts
-        await ACQUIRE.load(wc.redis)
-        entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
+    entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
     history = [decode_entry(fields) for _, fields in entries]
     if history and is_terminal(history[-1]):
         log.info("%s: already finished; duplicate job ignored", rid)
@@ -155,7 +149,7 @@ async def _open(wc: WorkerContext, job: GenerateRequest, pub: Publisher) -> list
         pipe.xrange(keys.events(rid))
         pipe.exists(keys.cancel(rid))
         pipe.hget(keys.request(rid), "attempts")
-        pub.queue_acquire(pipe)
+        await pub.queue_acquire(pipe)
         # Recovery rebuilds continuations from the request hash; keep the job there even when
         # something other than the API enqueued it (the API's own copy wins: HSETNX).
         pipe.hsetnx(keys.request(rid), "job", encode_job(job))  # type: ignore[arg-type]

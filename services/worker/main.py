@@ -31,12 +31,12 @@ from redis.exceptions import RedisError
 
 from services.worker.backend import Backend
 from services.worker.heartbeat import beat_once, heartbeat_loop, retire
-from services.worker.jobs import CTX_KEY, FUNCTION_NAME, WorkerContext, generate
-from services.worker.publisher import ACQUIRE, PUBLISH, RELEASE
+from services.worker.jobs import CTX_KEY, WorkerContext, generate
 from services.worker.recovery import sweep_loop
 from shared import keys
 from shared.config import Settings
 from shared.model_card import encode_card
+from shared.protocol import JOB_FUNCTION
 
 __all__ = [
     "JOB_TIMEOUT_S",
@@ -172,8 +172,6 @@ async def start_worker(
     name = card.name
     wid = wid or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     wc = WorkerContext(settings=settings, redis=redis, backend=backend, name=name, wid=wid)
-    for script in (PUBLISH, ACQUIRE, RELEASE):
-        await script.load(redis)
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hset(keys.model_card(name), "card", encode_card(card))
         pipe.sadd(keys.models(), name)
@@ -186,7 +184,7 @@ async def start_worker(
         default_queue_name=keys.queue(name),
     )
     worker = OwnJobsWorker(
-        functions=[func(generate, name=FUNCTION_NAME, max_tries=1)],
+        functions=[func(generate, name=JOB_FUNCTION, max_tries=1)],
         queue_name=keys.queue(name),
         redis_pool=arq,
         ctx={CTX_KEY: wc},

@@ -17,12 +17,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from services.api.start_timeout import (
-    API_TIMEOUT_OWNER,
-    Claim,
-    claim_unstarted,
-    sweep_unstarted,
-)
+from services.api.start_timeout import claim_unstarted, sweep_unstarted
 from services.worker.jobs import WorkerContext, run_job
 from services.worker.scripted import parse_spec
 from shared import keys
@@ -31,6 +26,7 @@ from shared.config import Settings
 from shared.events import AnyEvent, Error, Finish, Start
 from shared.jobs import GenerateRequest
 from shared.model_card import ModelCard
+from shared.protocol import API_TIMEOUT_OWNER, Claim
 from tests.integration.test_api_native import JOB, create, sse_events
 from tests.invariants import check_stream
 

@@ -10,7 +10,6 @@ import pytest
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
-from services.worker.jobs import FUNCTION_NAME
 from services.worker.main import JOB_TIMEOUT_S, arq_deserialize, arq_serialize
 from services.worker.recovery import sweep_once
 from services.worker.scripted import ScriptedBackend
@@ -18,6 +17,7 @@ from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage, is_terminal
 from shared.jobs import GenerateRequest, Message, TextPart
+from shared.protocol import JOB_FUNCTION
 from tests.integration.worker_harness import FAST_FAILOVER, running_worker
 from tests.invariants import check_stream, generated_token_ids
 
@@ -42,7 +42,7 @@ async def submit(redis_url: str, job: GenerateRequest, job_id: str | None = None
         await arq.hset(keys.request(job.request_id), mapping={"job": payload, "model": job.model})
         await arq.zadd(keys.inflight(job.model), {job.request_id: 0}, nx=True)
         enqueued = await arq.enqueue_job(
-            FUNCTION_NAME, payload, _job_id=job_id or job.request_id,
+            JOB_FUNCTION, payload, _job_id=job_id or job.request_id,
             _queue_name=keys.queue(job.model), _expires=60,
         )  # fmt: skip
         return enqueued is not None

@@ -1,0 +1,28 @@
+"""arq's own Redis keys, named in one place so no other module reads ``arq.constants``.
+
+arq (https://github.com/python-arq/arq, ``arq/constants.py`` and ``arq/worker.py``) keeps each
+job under keys derived from its id: the serialized job at ``arq:job:<id>`` until a worker
+finishes it, a marker ``arq:in-progress:<id>`` while a worker runs it (set at pickup with a TTL
+of the longest function timeout plus ten seconds), and more beside. These are arq internals,
+not its public API; the start timeout (API) and the recovery sweeper (worker) read them, so an
+arq upgrade that moves them breaks here and nowhere else. Both services may import this module;
+``shared`` may not, because it must not import arq.
+"""
+
+from __future__ import annotations
+
+from arq.constants import in_progress_key_prefix, job_key_prefix
+
+__all__ = ["IN_PROGRESS_EXTRA_S", "in_progress", "job"]
+
+IN_PROGRESS_EXTRA_S = 10  # arq's in-progress TTL is the job timeout plus this (Worker.__init__)
+
+
+def job(job_id: str) -> str:
+    """The serialized job (function, payload, enqueue time); gone once it finished."""
+    return job_key_prefix + job_id
+
+
+def in_progress(job_id: str) -> str:
+    """Set while a worker runs the job, TTL ``job_timeout + IN_PROGRESS_EXTRA_S``."""
+    return in_progress_key_prefix + job_id
