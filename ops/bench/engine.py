@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine import TorchBackend, load_backend
+from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 from shared.events import Start
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
@@ -88,7 +88,7 @@ async def bench(args: argparse.Namespace) -> None:
     model = args.model
     if args.random_shape:
         model = random_smollm2_shape(Path(tempfile.mkdtemp()) / "random-smollm2")
-    b = load_backend(
+    b = TorchBackend.load(
         Settings(
             threads=args.threads, max_batch=max(args.batches), device=args.device, dtype=args.dtype
         ),

@@ -38,7 +38,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
-from services.worker.jobs import FUNCTION_NAME
+from services.worker.job_function import FUNCTION_NAME
 from services.worker.main import arq_deserialize, arq_serialize
 from shared import keys
 from shared.codec import decode_entry, encode_job

@@ -321,11 +321,11 @@ def run_ours(
 
     import torch
 
-    from services.worker.engine import load_backend
+    from services.worker.torch_backend import TorchBackend
     from shared.config import Settings
 
     torch.set_num_threads(threads)
-    backend = load_backend(
+    backend = TorchBackend.load(
         Settings(threads=threads, max_batch=max(batches), dtype=dtype), "smollm2", None
     )
     rows: list[dict[str, Any]] = []

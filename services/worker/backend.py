@@ -1,7 +1,7 @@
 """The boundary between the bus side of a worker and whatever produces events.
 
 A backend knows nothing about Redis: it turns a job into event batches. The torch engine and
-the scripted backend both implement it; ``services.worker.jobs`` drives it and publishes.
+the scripted backend both implement it; ``services.worker.job_function`` drives it and publishes.
 """
 
 from __future__ import annotations

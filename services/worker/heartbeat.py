@@ -17,7 +17,7 @@ from importlib import metadata
 
 from redis.exceptions import NoScriptError, RedisError
 
-from services.worker.jobs import WorkerContext
+from services.worker.job_function import WorkerContext
 from services.worker.publisher import REFRESH
 from shared import keys
 

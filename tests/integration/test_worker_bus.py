@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
-from services.worker.jobs import FUNCTION_NAME
+from services.worker.job_function import FUNCTION_NAME
 from services.worker.main import JOB_TIMEOUT_S, arq_deserialize, arq_serialize
 from services.worker.recovery import sweep_once
 from services.worker.scripted import ScriptedBackend

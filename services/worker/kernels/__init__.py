@@ -2,7 +2,7 @@
 
 Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
 cache directory, loading it, and thin typed wrappers that take torch tensors. Knows nothing about
-models: ``services.worker.models.quantized`` decides what to call.
+models: ``services.worker.models.kernel_llama`` decides what to call.
 
 Why ctypes and plain C rather than a torch extension: the files build in about two seconds
 with no torch headers, and a call costs a couple of microseconds. The library links the same

@@ -15,9 +15,9 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from services.worker.engine import TorchBackend, derive_max_cached_tokens
 from services.worker.loaders import load_model
-from services.worker.scheduler import Sequence
+from services.worker.scheduler import SequenceState
+from services.worker.torch_backend import TorchBackend, derive_max_cached_tokens
 from shared.config import Settings
 from shared.errors import ContextOverflow
 from shared.events import AnyEvent, Error, Finish, Start, is_terminal
@@ -63,7 +63,7 @@ def run_together(b: TorchBackend, jobs: list[GenerateRequest]) -> list[tuple[str
 
         return emit
 
-    seqs: list[Sequence] = [
+    seqs: list[SequenceState] = [
         b._sequence(j, [], 1, emitter(j.request_id), lambda: None) for j in jobs
     ]
     with b.scheduler._cond:  # the loop admits them all in the same round (the lock re-enters)

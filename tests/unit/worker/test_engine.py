@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import TorchBackend
 from services.worker.loaders import load_model
+from services.worker.torch_backend import TorchBackend
 from shared.errors import ContextOverflow
 from shared.events import (
     AnyEvent,

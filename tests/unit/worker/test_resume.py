@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.engine import TorchBackend
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.loaders import LoadedModel, build_card
 from services.worker.parsing.decoder import OutputDecoder
+from services.worker.torch_backend import TorchBackend
 from shared.accumulate import fold
 from shared.events import AnyEvent, Start
 from shared.jobs import GenerateRequest, SamplingParams

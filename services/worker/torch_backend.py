@@ -1,8 +1,8 @@
 """The torch ``Backend``: model loading at start-up and the asyncio face of the decode loop.
 
-Owns ``load_backend`` (settings + model spec -> a ready backend) and ``TorchBackend``, whose
+Owns ``TorchBackend``: ``TorchBackend.load`` turns settings + a model spec into a ready backend;
 ``generate`` resolves the prompt ids, the sampling config and the seeded generator, submits a
-``Sequence`` to the ``Scheduler`` thread and relays its event batches from an asyncio queue.
+``SequenceState`` to the ``Scheduler`` thread and relays its event batches from an asyncio queue.
 Closing the iterator early cancels: the slot is freed before ``aclose`` returns. Knows nothing
 about Redis.
 
@@ -21,10 +21,10 @@ import torch
 
 from services.worker.loaders import LoadedModel, load_model
 from services.worker.sampling import SamplingConfig
-from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, Sequence
+from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, SequenceState
 from shared.config import Settings
 from shared.errors import ContextOverflow, InvalidRequest
-from shared.events import AnyEvent, Finish, is_terminal
+from shared.events import AnyEvent, is_terminal
 from shared.jobs import GenerateRequest
 from shared.model_card import ModelCard
 
@@ -32,7 +32,6 @@ __all__ = [
     "KV_BUDGET_BYTES",
     "TorchBackend",
     "derive_max_cached_tokens",
-    "load_backend",
     "sampling_config",
 ]
 
@@ -150,7 +149,7 @@ class TorchBackend:
         attempt: int,
         emit: Callable[[list[AnyEvent] | BaseException], None],
         on_freed: Callable[[], None],
-    ) -> Sequence:
+    ) -> SequenceState:
         """Validate the prompt and build the scheduler's sequence for ``job``."""
         prompt, in_reasoning = self._prompt(job)
         ctx, vocab = self.scheduler.context_length, self.scheduler.vocab
@@ -178,7 +177,7 @@ class TorchBackend:
                 f"this worker's {budget}-token cache budget"
             )
         max_new = min(max_new, ctx - len(prompt))
-        seq = Sequence(
+        seq = SequenceState(
             job=job,
             prompt=prompt,
             resume=list(resume),
@@ -239,42 +238,33 @@ class TorchBackend:
                 self.scheduler.cancel(seq)
                 await freed
 
-    async def collect(self, job: GenerateRequest) -> list[AnyEvent]:
-        """Run a job to completion and return all its events (benchmarks, tests, native API)."""
-        events: list[AnyEvent] = []
-        async for batch in self.generate(job, [], 1):
-            events.extend(batch)
-            if isinstance(batch[-1], Finish):
-                break
-        return events
+    @classmethod
+    def load(cls, settings: Settings, model_spec: str, name: str | None) -> TorchBackend:
+        """Load ``model_spec`` and build the backend the worker serves.
 
+        Args:
+            settings: device, dtype, threads, max_batch, cache budget.
+            model_spec: ``"smollm2"``, a ``.gguf`` path, or a Hugging Face directory.
+            name: public model id (default: derived from the spec).
 
-def load_backend(settings: Settings, model_spec: str, name: str | None) -> TorchBackend:
-    """Load ``model_spec`` and build the backend the worker serves.
+        Returns:
+            A backend; call ``await backend.start()`` before ``generate``.
 
-    Args:
-        settings: device, dtype, threads, max_batch, reasoning default.
-        model_spec: ``"smollm2"``, a ``.gguf`` path, or a Hugging Face directory.
-        name: public model id (default: derived from the spec).
-
-    Returns:
-        A backend; call ``await backend.start()`` before ``generate``.
-
-    Raises:
-        ModelLoadError: the model cannot be loaded (the message says why).
-    """
-    if settings.threads > 0:
-        torch.set_num_threads(settings.threads)
-    loaded = load_model(
-        model_spec,
-        name=name or settings.model_name,
-        device=settings.device,
-        dtype=settings.dtype,
-        cpu_kernels=settings.cpu_kernels,
-    )
-    return TorchBackend(
-        loaded,
-        max_batch=settings.max_batch,
-        reasoning_when_hidden=settings.reasoning_when_hidden,
-        max_cached_tokens=settings.max_cached_tokens,
-    )
+        Raises:
+            ModelLoadError: the model cannot be loaded (the message says why).
+        """
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        loaded = load_model(
+            model_spec,
+            name=name or settings.model_name,
+            device=settings.device,
+            dtype=settings.dtype,
+            cpu_kernels=settings.cpu_kernels,
+        )
+        return cls(
+            loaded,
+            max_batch=settings.max_batch,
+            reasoning_when_hidden=settings.reasoning_when_hidden,
+            max_cached_tokens=settings.max_cached_tokens,
+        )
