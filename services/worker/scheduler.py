@@ -35,7 +35,7 @@ from services.worker.sampling import (
     top_logprobs,
 )
 from shared.events import AnyEvent, FinishReason, Start, TokenLogprob, TopLogprob
-from shared.jobs import GenerateRequest
+from shared.jobs import Job
 
 __all__ = ["DecoderLike", "Scheduler", "SequenceState"]
 
@@ -55,7 +55,7 @@ class DecoderLike(Protocol):
     def finish(self, reason: FinishReason) -> list[AnyEvent]: ...
 
 
-DecoderFactory = Callable[[GenerateRequest, int, int, bool], DecoderLike]
+DecoderFactory = Callable[[Job, int, int, bool], DecoderLike]
 Emit = Callable[[list[AnyEvent] | BaseException], None]
 
 
@@ -63,7 +63,7 @@ Emit = Callable[[list[AnyEvent] | BaseException], None]
 class SequenceState:
     """One request's state inside the loop. Mutated only by the loop thread after submission."""
 
-    job: GenerateRequest
+    job: Job
     prompt: list[int]
     resume: list[int]
     attempt: int

@@ -20,6 +20,7 @@ from shared.config import Settings
 from shared.events import AnyEvent, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
 from tests.invariants import check_stream, generated_token_ids
+from tests.job_factory import as_job
 from tests.worker_models import ARCH_MODEL_TYPE, prefill_logits, write_hf_model
 
 pytestmark = [
@@ -40,7 +41,7 @@ def ask(text: str, rid: str, **kw: object) -> GenerateRequest:
 
 async def run(b: TorchBackend, job: GenerateRequest) -> list[AnyEvent]:
     events: list[AnyEvent] = []
-    async for batch in b.generate(job, [], 1):
+    async for batch in b.generate(as_job(job, b), [], 1):
         events.extend(batch)
     check_stream(events)
     return events

@@ -28,6 +28,7 @@ from shared.config import Settings
 from shared.events import AnyEvent, Finish, Start, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
 from tests.invariants import check_stream, generated_token_ids
+from tests.job_factory import as_job
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,7 @@ def ask(text: str, rid: str = "r1", **kw: object) -> GenerateRequest:
 
 async def run(b: TorchBackend, job: GenerateRequest) -> list[AnyEvent]:
     events: list[AnyEvent] = []
-    async for batch in b.generate(job, [], 1):
+    async for batch in b.generate(as_job(job, b), [], 1):
         events.extend(batch)
     check_stream(events)
     return events
@@ -129,7 +130,7 @@ async def test_fp32_greedy_ids_equal_the_transformers_reference(backend: TorchBa
     for i, record in enumerate(records):
         job = reference_job(record, f"ref{i}")
         # transformers rendered and tokenized the prompt itself: our renderer must agree first.
-        assert list(backend.renderer.render(job).token_ids) == record["prompt_ids"]
+        assert as_job(job, backend).prompt_token_ids == record["prompt_ids"]
         got = generated_token_ids(await run(backend, job))
         assert len(got) == REFERENCE["max_new_tokens"]
         assert got == record["greedy_ids"], record["prompt"]

@@ -21,7 +21,7 @@ from services.worker.torch_backend import TorchBackend, derive_max_cached_tokens
 from shared.config import Settings
 from shared.errors import ContextOverflow
 from shared.events import AnyEvent, Error, Finish, Start, is_terminal
-from shared.jobs import GenerateRequest, SamplingParams
+from shared.jobs import Job, SamplingParams
 from tests.invariants import check_stream, generated_token_ids
 from tests.worker_models import write_hf_model
 
@@ -38,18 +38,19 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def job(rid: str, *, prompt: int = PROMPT, max_tokens: int | None = NEW) -> GenerateRequest:
-    return GenerateRequest(
+def job(rid: str, *, prompt: int = PROMPT, max_tokens: int | None = NEW) -> Job:
+    return Job(
         request_id=rid,
         model="tiny",
         prompt_token_ids=[(7 * i) % 50 + 3 for i in range(prompt)],
+        prompt_text="",
         max_tokens=max_tokens,
         ignore_eos=True,
         sampling=SamplingParams(temperature=0.0),
     )
 
 
-def run_together(b: TorchBackend, jobs: list[GenerateRequest]) -> list[tuple[str, AnyEvent]]:
+def run_together(b: TorchBackend, jobs: list[Job]) -> list[tuple[str, AnyEvent]]:
     """Submit ``jobs`` in one admission round; return (request id, event) in emission order."""
     log: list[tuple[str, AnyEvent]] = []
     done = threading.Semaphore(0)
