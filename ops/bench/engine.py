@@ -3,7 +3,8 @@
 Runs the real ``TorchBackend`` (scheduler thread, decoder, sampling) on the default model with
 greedy decoding and EOS ignored, so every stream generates exactly ``--tokens`` tokens. Prints
 one JSON object per measurement and the machine load around it: on a shared 2-core box another
-process taking a core slows a 2-thread torch decode many times over (handbook smollm2-gguf.md).
+process taking a core slows a 2-thread torch decode many times over (its OpenMP threads wait at
+every barrier for the descheduled one).
 
     .venv/bin/python ops/bench/engine.py --threads 2 --tokens 128 --batches 1 4 8 16
 """

@@ -5,9 +5,9 @@ Ours: the real ``TorchBackend`` on the default model (``--dtypes``, default the 
 batched decode API on the same GGUF, run in a subprocess with a throwaway venv's python
 (``--llama-python``) so the project venv needs no llama_cpp:
 ``n_threads=n_threads_batch=--threads``, n_batch=n_ubatch=512, one seq_id per sequence,
-non-unified KV, flash-attn off (handbook smollm2-gguf.md §4-5). Both get the same prompt token
-ids (rendered with sluice's renderer, ~200 tokens, ragged variants for batches), greedy,
-``--tokens`` generated with EOS ignored.
+non-unified KV, flash-attn off (llama.cpp's settings for many independent sequences). Both get
+the same prompt token ids (rendered with sluice's renderer, ~200 tokens, ragged variants for
+batches), greedy, ``--tokens`` generated with EOS ignored.
 
 Metrics: prefill tok/s of one prompt; decode tok/s for 1 stream and aggregate for 4/8/16 streams
 = tokens produced after every stream of the batch has started, over that span (ours prefills

@@ -3,7 +3,7 @@
 ``run_worker`` is what ``sluice worker`` calls. ``start_worker`` starts everything as tasks on
 the running event loop and returns a ``RunningWorker`` (the test harness uses it directly).
 
-arq is configured against its measured pitfalls (docs/benchmarks.md, handbook redis-arq.md):
+arq is configured against its measured pitfalls (docs/benchmarks.md):
 explicit keyword arguments (``WorkerSettings`` inheritance is silently ignored), msgpack envelopes
 (never pickle), ``max_jobs`` = the backend's batch size, a short ``poll_delay``, ``max_tries=1`` and
 no retries (our lease + sweeper recover crashed requests, continuing instead of restarting), a

