@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher import run_up
 
         return run_up(settings)
-    from shared.client import cli_export, cli_replay
+    from sluice_client import cli_export, cli_replay
 
     if args.command == "export":
         return cli_export(settings, args.request_id, args.output)

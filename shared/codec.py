@@ -13,7 +13,7 @@ import msgspec
 
 from shared.errors import ProtocolError
 from shared.events import AnyEvent
-from shared.jobs import GenerateRequest
+from shared.jobs import Job
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -29,7 +29,7 @@ SCHEMA_VERSION = 1
 
 _ENCODER = msgspec.msgpack.Encoder()
 _EVENT_DECODER: msgspec.msgpack.Decoder[AnyEvent] = msgspec.msgpack.Decoder(AnyEvent)
-_JOB_DECODER = msgspec.msgpack.Decoder(GenerateRequest)
+_JOB_DECODER = msgspec.msgpack.Decoder(Job)
 
 
 def encode_event(event: AnyEvent) -> bytes:
@@ -68,13 +68,13 @@ def decode_entry(fields: Mapping[bytes, bytes]) -> AnyEvent:
     return decode_event(body)
 
 
-def encode_job(job: GenerateRequest) -> bytes:
+def encode_job(job: Job) -> bytes:
     """Encode a job payload (the arq argument) as msgpack; never pickle."""
     return _ENCODER.encode(job)
 
 
-def decode_job(data: bytes) -> GenerateRequest:
-    """Decode a job payload.
+def decode_job(data: bytes) -> Job:
+    """Decode a job payload (a tokenized ``Job``).
 
     Raises:
         ProtocolError: the bytes are not a valid job.

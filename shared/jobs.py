@@ -1,9 +1,10 @@
-"""The canonical, format-agnostic generation job.
+"""The canonical, format-agnostic request, and the tokenized job a worker runs.
 
-Every wire format is parsed into a ``GenerateRequest``; the API renders the chat template and
-stores ``prompt_token_ids`` before enqueueing, so a worker spends its time on the model. A job
-without prompt ids (e.g. from the native API) is rendered by the worker from ``messages``.
-The same struct is the arq payload (msgpack) and the ``job`` field of the request hash.
+Every wire format is parsed into a ``GenerateRequest``. The API renders its chat template and
+tokenizes it (``shared.prompt``), and what it stores and enqueues is a ``Job``: the same request
+plus the prompt token ids and text, both required, so a worker never renders a prompt and spends
+its time on the model. ``Job`` is the arq payload (msgpack) and the ``job`` field of the request
+hash; a ``Job`` is a ``GenerateRequest``, so whatever reads a request reads a job too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import msgspec
 __all__ = [
     "ContentPart",
     "GenerateRequest",
+    "Job",
     "Message",
     "Origin",
     "ReasoningControl",
@@ -113,7 +115,7 @@ class ReasoningControl(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A generation job: everything a worker needs, nothing wire-specific."""
+    """A generation request as the wire parsers produce it: nothing wire-specific, no prompt."""
 
     request_id: str
     model: str
@@ -129,9 +131,29 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] = []
     chat_template_kwargs: JsonObject = {}
     reasoning: ReasoningControl = ReasoningControl()
-    prompt_token_ids: list[int] | None = None  # rendered + tokenized by the API
-    prompt_text: str | None = None  # the rendered prompt, kept for debugging and replay
     owner: str = ""  # hash of the API key that created the request ("" when auth is off)
     created: float = 0.0  # unix seconds, set by the API
     user: str | None = None
     metadata: dict[str, str] = {}
+
+
+class Job(GenerateRequest, frozen=True, kw_only=True):
+    """A request rendered and tokenized: what is stored, enqueued and generated."""
+
+    prompt_token_ids: list[int]  # the rendered prompt tokenized (client text kept as text)
+    prompt_text: str  # the rendered prompt, kept for debugging and replay
+
+    @classmethod
+    def of(cls, request: GenerateRequest, *, prompt_token_ids: list[int], prompt_text: str) -> Job:
+        """The job for ``request`` with its rendered prompt.
+
+        Args:
+            request: the parsed request (a ``Job`` too: its prompt is replaced).
+            prompt_token_ids: the prompt's token ids.
+            prompt_text: the rendered prompt.
+
+        Returns:
+            The job.
+        """
+        fields = {f: getattr(request, f) for f in GenerateRequest.__struct_fields__}
+        return cls(**fields, prompt_token_ids=prompt_token_ids, prompt_text=prompt_text)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.worker.engine import TorchBackend
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.loaders import LoadedModel, build_card
 from services.worker.models.llama import LlamaConfig
+from services.worker.torch_backend import TorchBackend
 from tests.worker_models import CHAT_TEMPLATE, tiny_tokenizer
 
 

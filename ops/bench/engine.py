@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine import TorchBackend, load_backend
+from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 from shared.events import Start
-from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
+from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
+from shared.prompt import PromptRenderer
 
 WORDS = (
     "Describe in detail how a small river town changes over one year, covering the weather, "
@@ -34,10 +35,13 @@ WORDS = (
 )
 
 
-def request(i: int, tokens: int) -> GenerateRequest:
-    """A ~200-token chat prompt; ``i`` varies the text so prompts are ragged and distinct."""
+def request(b: TorchBackend, i: int, tokens: int) -> Job:
+    """A ~200-token chat prompt; ``i`` varies the text so prompts are ragged and distinct.
+
+    Rendered and tokenized here, as the API does before it enqueues, outside the timed part.
+    """
     text = f"Story {i}: " + WORDS * 5 + "Thank you! " * (i % 7)
-    return GenerateRequest(
+    req = GenerateRequest(
         request_id=f"bench-{i}-{time.monotonic_ns()}",
         model="smollm2",
         messages=[Message(role="user", content=[TextPart(text=text)])],
@@ -45,9 +49,11 @@ def request(i: int, tokens: int) -> GenerateRequest:
         max_tokens=tokens,
         ignore_eos=True,
     )
+    rendered = PromptRenderer(b.card, b.loaded.tokenizer).render(req)
+    return Job.of(req, prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text)
 
 
-async def timed(b: TorchBackend, job: GenerateRequest) -> tuple[float, float, int, int]:
+async def timed(b: TorchBackend, job: Job) -> tuple[float, float, int, int]:
     """Run one job; return (t_start_event, t_last_event, prompt_tokens, generated tokens)."""
     first = last = 0.0
     prompt = count = 0
@@ -89,7 +95,7 @@ async def bench(args: argparse.Namespace) -> None:
     model = args.model
     if args.random_shape:
         model = random_smollm2_shape(Path(tempfile.mkdtemp()) / "random-smollm2")
-    b = load_backend(
+    b = TorchBackend.load(
         Settings(
             threads=args.threads, max_batch=max(args.batches), device=args.device, dtype=args.dtype
         ),
@@ -99,12 +105,13 @@ async def bench(args: argparse.Namespace) -> None:
     emit({"metric": "load_s", "value": round(time.perf_counter() - began, 2)})
     await b.start()
     try:
-        await timed(b, request(0, 4))  # warm-up
+        await timed(b, request(b, 0, 4))  # warm-up
         prefill = []
         for i in range(args.repeats):
             fresh(b)
+            job = request(b, i, 1)
             t0 = time.perf_counter()
-            first, _, prompt, _ = await timed(b, request(i, 1))
+            first, _, prompt, _ = await timed(b, job)
             prefill.append((first - t0, prompt))
         seconds = statistics.median(p[0] for p in prefill)
         emit(
@@ -117,9 +124,10 @@ async def bench(args: argparse.Namespace) -> None:
         )
         for batch in args.batches:
             fresh(b)
+            jobs = [request(b, i, args.tokens) for i in range(batch)]
             load0, cpu0 = os.getloadavg()[0], time.process_time()
             t0 = time.perf_counter()
-            runs = await asyncio.gather(*(timed(b, request(i, args.tokens)) for i in range(batch)))
+            runs = await asyncio.gather(*(timed(b, j) for j in jobs))
             wall = time.perf_counter() - t0
             # Decode rate: tokens after each stream's first, over the span all streams decoded.
             span = max(r[1] for r in runs) - max(r[0] for r in runs)

@@ -39,14 +39,18 @@ import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
 from services.worker.main import arq_deserialize, arq_serialize
+from services.worker.scripted import parse_spec
 from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import Start, is_terminal
-from shared.jobs import GenerateRequest, Message, TextPart
+from shared.jobs import GenerateRequest, Job, Message, TextPart
+from shared.prompt import PromptRenderer
 from shared.protocol import JOB_FUNCTION
 
 MODEL = "bench-pickup"
 SPEC = "scripted:long?rate=2&max_batch=16"
+# The worker runs the scripted double; its card renders prompts as the API would.
+_RENDERER = PromptRenderer(parse_spec(SPEC, MODEL).card)
 
 
 def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -86,8 +90,9 @@ async def load(redis: aioredis.Redis, pid: int, window: float) -> tuple[float, f
     return (c1 - c0 - 1) / (t1 - t0), 100 * (cpu1 - cpu0) / (t1 - t0)
 
 
-def job(rid: str, script: str, max_tokens: int | None) -> GenerateRequest:
-    return GenerateRequest(
+def job(rid: str, script: str, max_tokens: int | None) -> Job:
+    """The job the API would enqueue, rendered and tokenized with the scripted card."""
+    request = GenerateRequest(
         request_id=rid,
         model=MODEL,
         messages=[Message(role="user", content=[TextPart("hi")])],
@@ -95,9 +100,11 @@ def job(rid: str, script: str, max_tokens: int | None) -> GenerateRequest:
         max_tokens=max_tokens,
         created=time.time(),
     )
+    rendered = _RENDERER.render(request)
+    return Job.of(request, prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text)
 
 
-async def enqueue(arq: ArqRedis, j: GenerateRequest) -> float:
+async def enqueue(arq: ArqRedis, j: Job) -> float:
     payload = encode_job(j)
     await arq.hset(keys.request(j.request_id), mapping={"job": payload})  # type: ignore[misc]
     t0 = time.time()

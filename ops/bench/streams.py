@@ -53,7 +53,7 @@ from stream_load import open_client, publisher
 from shared import keys
 from shared.codec import encode_entry, encode_job
 from shared.events import AnyEvent, Finish, Start, TextDelta, Usage
-from shared.jobs import GenerateRequest
+from shared.jobs import Job
 
 _JSON = msgspec.json.Decoder()
 
@@ -117,7 +117,13 @@ async def create_requests(redis: aioredis.Redis, prefix: str, n: int) -> list[st
     rids = [f"req_{prefix}_{i:05d}" for i in range(n)]
     async with redis.pipeline(transaction=False) as pipe:
         for rid in rids:
-            job = GenerateRequest(request_id=rid, model="bench", created=time.time())
+            job = Job(
+                request_id=rid,
+                model="bench",
+                created=time.time(),
+                prompt_token_ids=[1],
+                prompt_text="",
+            )
             pipe.hset(
                 keys.request(rid), mapping={"owner": "", "model": "bench", "job": encode_job(job)}
             )

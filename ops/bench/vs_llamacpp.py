@@ -278,18 +278,21 @@ def prompt_text(i: int) -> str:
 
 
 def job(i: int, tokens: int, ids: list[int] | None) -> Any:
-    """A greedy, EOS-ignoring chat job; ``i`` varies the text so prompts are ragged."""
-    from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
+    """A greedy, EOS-ignoring chat request; ``i`` varies the text so prompts are ragged.
 
-    return GenerateRequest(
+    With ``ids`` (the prompt rendered by ``render_prompts``) it is the tokenized job a worker runs.
+    """
+    from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
+
+    request = GenerateRequest(
         request_id=f"vs-{i}-{time.monotonic_ns()}",
         model="smollm2",
         messages=[Message(role="user", content=[TextPart(text=prompt_text(i))])],
         sampling=SamplingParams(temperature=0.0),
         max_tokens=tokens,
         ignore_eos=True,
-        prompt_token_ids=ids,
     )
+    return request if ids is None else Job.of(request, prompt_token_ids=ids, prompt_text="")
 
 
 async def _timed(backend: Any, j: Any, ids: list[int] | None = None) -> list[tuple[float, int]]:
@@ -321,11 +324,11 @@ def run_ours(
 
     import torch
 
-    from services.worker.engine import load_backend
+    from services.worker.torch_backend import TorchBackend
     from shared.config import Settings
 
     torch.set_num_threads(threads)
-    backend = load_backend(
+    backend = TorchBackend.load(
         Settings(threads=threads, max_batch=max(batches), dtype=dtype), "smollm2", None
     )
     rows: list[dict[str, Any]] = []

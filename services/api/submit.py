@@ -1,4 +1,4 @@
-"""Admission: validate a canonical job, render and tokenize it, store it, enqueue it.
+"""Admission: validate a canonical request, render and tokenize it into a job, store, enqueue.
 
 Every wire route ends in ``submit``. The checks run in order of cost and nothing is written to
 Redis until all of them pass, so a rejected request leaves no trace: unknown model (404), no
@@ -26,7 +26,7 @@ from shared.errors import (
     PermissionDenied,
     RateLimited,
 )
-from shared.jobs import GenerateRequest
+from shared.jobs import GenerateRequest, Job
 from shared.protocol import JOB_FUNCTION
 
 if TYPE_CHECKING:
@@ -47,19 +47,17 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-async def submit(
-    state: AppState, job: GenerateRequest, *, owner: str | None = None
-) -> GenerateRequest:
-    """Validate, render, tokenize, store and enqueue a job.
+async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = None) -> Job:
+    """Validate, render and tokenize a request, then store and enqueue it as a ``Job``.
 
     Args:
         state: the app state.
-        job: the canonical job; ``request_id`` may be empty (one is assigned).
+        job: the canonical request; ``request_id`` may be empty (one is assigned).
         owner: the caller's owner id from ``authenticate``; None keeps ``job.owner``.
 
     Returns:
-        The job as enqueued: ``request_id``, ``prompt_token_ids``, ``prompt_text``, ``owner``
-        and ``created`` filled in.
+        The job as enqueued: the request with ``request_id``, ``prompt_token_ids``,
+        ``prompt_text``, ``owner`` and ``created`` filled in.
 
     Raises:
         ModelNotFound: no card for ``job.model``.
@@ -92,16 +90,12 @@ async def submit(
     if queued >= state.settings.queue_max:
         raise RateLimited(f"the queue for '{job.model}' is full ({queued} requests)", retry_after=1)
     rid = job.request_id or new_request_id()
-    job = msgspec.structs.replace(
-        job,
-        request_id=rid,
-        prompt_token_ids=prompt_ids,
-        prompt_text=rendered.text,
-        owner=job.owner if owner is None else owner,
-        created=time.time(),
+    request = msgspec.structs.replace(
+        job, request_id=rid, owner=job.owner if owner is None else owner, created=time.time()
     )
-    await _store(state, job)
-    payload = encode_job(job)
+    tokenized = Job.of(request, prompt_token_ids=prompt_ids, prompt_text=rendered.text)
+    await _store(state, tokenized)
+    payload = encode_job(tokenized)
     await state.arq.enqueue_job(
         JOB_FUNCTION,
         payload,
@@ -109,10 +103,10 @@ async def submit(
         _queue_name=queue,
         _expires=state.settings.job_expires_s,
     )
-    return job
+    return tokenized
 
 
-async def _store(state: AppState, job: GenerateRequest) -> None:
+async def _store(state: AppState, job: Job) -> None:
     retention = state.settings.retention_s
     async with state.redis.pipeline(transaction=True) as pipe:
         pipe.hset(

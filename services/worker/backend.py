@@ -1,7 +1,7 @@
 """The boundary between the bus side of a worker and whatever produces events.
 
 A backend knows nothing about Redis: it turns a job into event batches. The torch engine and
-the scripted backend both implement it; ``services.worker.jobs`` drives it and publishes.
+the scripted backend both implement it; ``services.worker.job_function`` drives it and publishes.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from shared.events import AnyEvent
-from shared.jobs import GenerateRequest
+from shared.jobs import Job
 from shared.model_card import ModelCard
 
 __all__ = ["Backend"]
@@ -40,7 +40,7 @@ class Backend(Protocol):
         """Stop background machinery; in-flight iterators end with an exception."""
 
     def generate(
-        self, job: GenerateRequest, resume_token_ids: list[int], attempt: int
+        self, job: Job, resume_token_ids: list[int], attempt: int
     ) -> AsyncIterator[list[AnyEvent]]:
         """Generate the job's events in step-sized batches."""
         ...

@@ -17,7 +17,7 @@ from importlib import metadata
 
 from redis.exceptions import RedisError
 
-from services.worker.jobs import WorkerContext
+from services.worker.job_function import WorkerContext
 from shared import keys
 from shared.protocol import LEASE_LOST, Scripts
 

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from services.worker.backend import Backend
 from services.worker.heartbeat import beat_once, heartbeat_loop, retire
-from services.worker.jobs import CTX_KEY, WorkerContext, generate
+from services.worker.job_function import CTX_KEY, WorkerContext, generate
 from services.worker.recovery import sweep_loop
 from shared import keys
 from shared.config import Settings
@@ -74,9 +74,9 @@ def load_backend(settings: Settings, model_spec: str, name: str | None) -> Backe
         from services.worker.scripted import parse_spec
 
         return parse_spec(model_spec, name)
-    from services.worker.engine import load_backend as load_engine
+    from services.worker.torch_backend import TorchBackend
 
-    return load_engine(settings, model_spec, name)
+    return TorchBackend.load(settings, model_spec, name)
 
 
 class OwnJobsWorker(Worker):

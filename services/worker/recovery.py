@@ -23,7 +23,7 @@ from arq.connections import ArqRedis
 from redis.exceptions import RedisError
 
 from services import arq_keys
-from services.worker.jobs import WorkerContext
+from services.worker.job_function import WorkerContext
 from services.worker.publisher import Publisher
 from shared import keys
 from shared.codec import decode_entry

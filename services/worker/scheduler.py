@@ -4,7 +4,7 @@ Owns slot admission (with prefix reuse and the cached-token budget), chunked pre
 interleaved with decode steps, token choice (forced marker, penalties, EOS masking, sampling,
 logprobs), stop conditions, and freeing slots the moment a sequence finishes or is cancelled.
 Events go back to each sequence's asyncio queue through ``loop.call_soon_threadsafe``; the
-asyncio side (``engine.TorchBackend``) never touches tensors. Knows nothing about Redis.
+asyncio side (``torch_backend.TorchBackend``) never touches tensors. Knows nothing about Redis.
 
 The budget: each sequence reserves the most tokens it can ever cache (prompt + resume + the
 tokens it may still generate, capped at the context), so a running sequence never runs out of
@@ -35,9 +35,9 @@ from services.worker.sampling import (
     top_logprobs,
 )
 from shared.events import AnyEvent, FinishReason, Start, TokenLogprob, TopLogprob
-from shared.jobs import GenerateRequest
+from shared.jobs import Job
 
-__all__ = ["DecoderLike", "Scheduler", "Sequence"]
+__all__ = ["DecoderLike", "Scheduler", "SequenceState"]
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +55,15 @@ class DecoderLike(Protocol):
     def finish(self, reason: FinishReason) -> list[AnyEvent]: ...
 
 
-DecoderFactory = Callable[[GenerateRequest, int, int, bool], DecoderLike]
+DecoderFactory = Callable[[Job, int, int, bool], DecoderLike]
 Emit = Callable[[list[AnyEvent] | BaseException], None]
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One request's state inside the loop. Mutated only by the loop thread after submission."""
 
-    job: GenerateRequest
+    job: Job
     prompt: list[int]
     resume: list[int]
     attempt: int
@@ -128,8 +128,8 @@ class Scheduler:
             device=device,
         )
         self._cond = threading.Condition()
-        self._pending: deque[Sequence] = deque()
-        self._active: list[Sequence] = []
+        self._pending: deque[SequenceState] = deque()
+        self._active: list[SequenceState] = []
         self._free = list(range(max_batch))
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -157,7 +157,7 @@ class Scheduler:
             self._release(seq)
         self._pending.clear()
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, seq: SequenceState) -> None:
         """Queue a sequence for admission (thread-safe)."""
         if seq.reservation > self.max_cached_tokens:  # it would wait forever
             raise ValueError(
@@ -169,7 +169,7 @@ class Scheduler:
             self._pending.append(seq)
             self._cond.notify()
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: SequenceState) -> None:
         """Ask the loop to free ``seq``; ``seq.on_freed`` fires once it has (thread-safe)."""
         with self._cond:
             seq.cancelled = True
@@ -229,7 +229,7 @@ class Scheduler:
             self.cache.tokens[best] = []
             self._active.append(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: SequenceState) -> None:
         if seq in self._active:
             self._active.remove(seq)
             self.reserved -= seq.reserved
@@ -251,7 +251,7 @@ class Scheduler:
         if decoding:
             self._decode(decoding)
 
-    def _prefill_chunk(self, seq: Sequence) -> None:
+    def _prefill_chunk(self, seq: SequenceState) -> None:
         end = min(len(seq.tokens), seq.kv_len + PREFILL_CHUNK)
         chunk = seq.tokens[seq.kv_len : end]
         self.cache.reserve(end)
@@ -279,7 +279,7 @@ class Scheduler:
         )
         self._advance(seq, logits[0, -1], [start])
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _decode(self, seqs: list[SequenceState]) -> None:
         self.cache.reserve(max(s.kv_len for s in seqs) + 1)
         batch = build_batch([s.slot for s in seqs], [s.kv_len for s in seqs], 1, self.device)
         idx = torch.tensor(
@@ -294,13 +294,13 @@ class Scheduler:
 
     # -- token choice -----------------------------------------------------------------------
 
-    def _count(self, seq: Sequence, token: int) -> None:
+    def _count(self, seq: SequenceState, token: int) -> None:
         if seq.counts is not None:
             seq.counts[token] += 1
         if seq.seen is not None:
             seq.seen[token] = True
 
-    def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
+    def _choose(self, seq: SequenceState, logits: torch.Tensor) -> int:
         assert seq.decoder is not None
         forced = seq.decoder.forced_next_token()
         if forced is not None:
@@ -313,7 +313,7 @@ class Scheduler:
             logits = mask_tokens(logits, [i for i in self.eos_ids if i < logits.numel()])
         return sample_next_token(logits, cfg, seq.generator)
 
-    def _logprob(self, seq: Sequence, logits: torch.Tensor, token: int) -> TokenLogprob:
+    def _logprob(self, seq: SequenceState, logits: torch.Tensor, token: int) -> TokenLogprob:
         lp, top = top_logprobs(logits.float().cpu(), token, seq.job.sampling.top_logprobs)
         decode = self.tokenizer.decode
         text = decode([token], skip_special_tokens=False)
@@ -331,7 +331,7 @@ class Scheduler:
             ],
         )
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor, events: list[AnyEvent]) -> None:
+    def _advance(self, seq: SequenceState, logits: torch.Tensor, events: list[AnyEvent]) -> None:
         """Choose, feed and account one token; finish the sequence when a stop condition holds."""
         assert seq.decoder is not None
         token = self._choose(seq, logits)

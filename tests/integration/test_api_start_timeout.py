@@ -18,13 +18,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.api.start_timeout import claim_unstarted, sweep_unstarted
-from services.worker.jobs import WorkerContext, run_job
+from services.worker.job_function import WorkerContext, run_job
 from services.worker.scripted import parse_spec
 from shared import keys
 from shared.codec import decode_entry, decode_job, encode_job
 from shared.config import Settings
 from shared.events import AnyEvent, Error, Finish, Start
-from shared.jobs import GenerateRequest
+from shared.jobs import Job
 from shared.model_card import ModelCard
 from shared.protocol import API_TIMEOUT_OWNER, Claim
 from tests.integration.test_api_native import JOB, create, sse_events
@@ -122,9 +122,13 @@ async def test_a_leased_request_is_left_to_its_worker(
     assert await redis.xlen(keys.events(job.request_id)) == 0
 
 
-async def store_job(redis: aioredis.Redis, rid: str) -> GenerateRequest:
-    job = GenerateRequest(
-        request_id=rid, model="tiny-test", created=time.time(), prompt_token_ids=[1, 2, 3]
+async def store_job(redis: aioredis.Redis, rid: str) -> Job:
+    job = Job(
+        request_id=rid,
+        model="tiny-test",
+        created=time.time(),
+        prompt_token_ids=[1, 2, 3],
+        prompt_text="",
     )
     await redis.hset(  # type: ignore[misc]
         keys.request(rid),

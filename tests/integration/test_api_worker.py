@@ -13,9 +13,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared import keys
-from shared.client import LiveSource, RecordedSource, collect, export_stream
 from shared.codec import decode_entry
 from shared.events import AnyEvent, Error, Finish, TextDelta, is_terminal
+from sluice_client import LiveSource, RecordedSource, export_stream, read_all
 from tests.integration.test_api_native import sse_events
 from tests.integration.worker_harness import running_worker
 from tests.invariants import check_stream
@@ -99,7 +99,7 @@ async def test_disconnect_cancels_the_generation(
 async def test_backend_error_reaches_the_client(api: str, redis_url: str) -> None:
     async with running_worker(redis_url, "scripted:error?rate=0") as worker:
         source = LiveSource(api, job=job(worker.name, "error"))
-        events = await collect(source)
+        events = await read_all(source)
     check_stream(events)
     assert isinstance(events[-1], Error)
 
@@ -191,8 +191,8 @@ async def test_cli_export_and_replay(
 ) -> None:
     from pathlib import Path
 
-    from shared.client import StreamEvent, cli_export, cli_replay
     from shared.config import Settings
+    from sluice_client import StreamEvent, cli_export, cli_replay
 
     assert isinstance(tmp_path, Path)
     async with running_worker(redis_url, "scripted:tool_call?rate=0") as worker:

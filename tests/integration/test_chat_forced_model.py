@@ -19,8 +19,8 @@ import torch
 from openai.types.chat import ChatCompletion
 
 from services.api.wire.openai_chat import ChatContext, render
-from services.worker.engine import TorchBackend
 from services.worker.main import start_worker
+from services.worker.torch_backend import TorchBackend
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry

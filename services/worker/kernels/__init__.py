@@ -2,7 +2,7 @@
 
 Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
 cache directory, loading the library, and stating its ABI on the Python side. Knows nothing about
-models: ``services.worker.models.quantized`` decides what to call.
+models: ``services.worker.models.kernel_llama`` decides what to call.
 
 The ABI is two things here, kept next to each other so a change to ``sluice_cpu.h`` has one
 Python place to follow: ``SIGNATURES`` (every exported function's argument types, set as ctypes

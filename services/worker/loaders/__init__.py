@@ -17,8 +17,8 @@ import torch
 from tokenizers import Tokenizer
 
 from services.worker.kernels import Kernels
+from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.models.llama import LlamaModel
-from services.worker.models.quantized import QuantizedLlama
 from shared.model_card import ModelCard
 
 __all__ = [
@@ -148,14 +148,14 @@ def quantize_for_cpu(model: LlamaModel, k: Kernels | None) -> LlamaModel | Quant
     """Decode from 4-bit blocks: sluice's CPU kernels ``k`` when they built here, else torch's
     int4 kernels (about a quarter of the speed at one stream).
 
-    The kernels path wraps the model and frees its dense linears (see ``models.quantized``);
+    The kernels path wraps the model and frees its dense linears (see ``models.kernel_llama``);
     torch's int4 path replaces the block linears in place.
     """
-    from services.worker.models.quantized import supports
+    from services.worker.models.kernel_llama import supports
 
     if k is not None and k.vectorized and supports(model):
         return QuantizedLlama(model, k)
-    from services.worker.models.quant import quantize_linears
+    from services.worker.models.int_linears import quantize_linears
 
     quantize_linears(model)
     return model

@@ -177,7 +177,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Projected (B, T, (H + 2 KV) * hd) -> attention output (B, T, H * hd), before o_proj.
 
-        Split out so the CPU kernels' prefill (``models.quantized``) reuses it around its own
+        Split out so the CPU kernels' prefill (``models.kernel_llama``) reuses it around its own
         projections.
         """
         B, T, _ = qkv.shape

@@ -216,11 +216,6 @@ class CallParser:
         self._awaiting_close = False  # arguments done, the outer "}" not yet seen
         self._tail: JsonScanner | None = None  # more keys after the arguments
 
-    @property
-    def in_call(self) -> bool:
-        """True while a started call has not completed."""
-        return self.started
-
     def feed(self, text: str) -> list[Action]:
         """Consume decoded text; return what it completed."""
         self.buf += text

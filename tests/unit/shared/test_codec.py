@@ -30,7 +30,7 @@ from shared.events import (
     TopLogprob,
     Usage,
 )
-from shared.jobs import GenerateRequest, Message, ReasoningControl, TextPart, ToolCall, ToolDef
+from shared.jobs import GenerateRequest, Job, Message, ReasoningControl, TextPart, ToolCall, ToolDef
 
 FIXTURE = Path(__file__).parent.parent.parent / "fixtures" / "event_bytes.json"
 
@@ -114,7 +114,7 @@ def test_unknown_tag_and_newer_schema_are_protocol_errors() -> None:
 
 
 def test_job_round_trips_and_rejects_garbage() -> None:
-    job = GenerateRequest(
+    job = Job(
         request_id="req_9",
         model="m",
         origin="openai_chat",
@@ -132,8 +132,16 @@ def test_job_round_trips_and_rejects_garbage() -> None:
         chat_template_kwargs={"enable_thinking": False},
         reasoning=ReasoningControl(effort="low", visible=False, explicit=True),
         prompt_token_ids=[1, 2, 3],
+        prompt_text="<s>be brief",
     )
     assert codec.decode_job(codec.encode_job(job)) == job
     assert job.messages[2].text == "42"
     with pytest.raises(ProtocolError):
         codec.decode_job(b"\x93\x01\x02\x03")
+
+
+def test_a_job_without_its_prompt_is_rejected() -> None:
+    """Workers accept only tokenized jobs: a bare request never reaches a backend."""
+    bare = msgspec.msgpack.encode(GenerateRequest(request_id="req_9", model="m"))
+    with pytest.raises(ProtocolError, match="prompt_token_ids"):
+        codec.decode_job(bare)

@@ -15,13 +15,13 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from services.worker.engine import TorchBackend, derive_max_cached_tokens
 from services.worker.loaders import load_model
-from services.worker.scheduler import Sequence
+from services.worker.scheduler import SequenceState
+from services.worker.torch_backend import TorchBackend, derive_max_cached_tokens
 from shared.config import Settings
 from shared.errors import ContextOverflow
 from shared.events import AnyEvent, Error, Finish, Start, is_terminal
-from shared.jobs import GenerateRequest, SamplingParams
+from shared.jobs import Job, SamplingParams
 from tests.invariants import check_stream, generated_token_ids
 from tests.worker_models import write_hf_model
 
@@ -38,18 +38,19 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def job(rid: str, *, prompt: int = PROMPT, max_tokens: int | None = NEW) -> GenerateRequest:
-    return GenerateRequest(
+def job(rid: str, *, prompt: int = PROMPT, max_tokens: int | None = NEW) -> Job:
+    return Job(
         request_id=rid,
         model="tiny",
         prompt_token_ids=[(7 * i) % 50 + 3 for i in range(prompt)],
+        prompt_text="",
         max_tokens=max_tokens,
         ignore_eos=True,
         sampling=SamplingParams(temperature=0.0),
     )
 
 
-def run_together(b: TorchBackend, jobs: list[GenerateRequest]) -> list[tuple[str, AnyEvent]]:
+def run_together(b: TorchBackend, jobs: list[Job]) -> list[tuple[str, AnyEvent]]:
     """Submit ``jobs`` in one admission round; return (request id, event) in emission order."""
     log: list[tuple[str, AnyEvent]] = []
     done = threading.Semaphore(0)
@@ -63,7 +64,7 @@ def run_together(b: TorchBackend, jobs: list[GenerateRequest]) -> list[tuple[str
 
         return emit
 
-    seqs: list[Sequence] = [
+    seqs: list[SequenceState] = [
         b._sequence(j, [], 1, emitter(j.request_id), lambda: None) for j in jobs
     ]
     with b.scheduler._cond:  # the loop admits them all in the same round (the lock re-enters)

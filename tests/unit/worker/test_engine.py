@@ -1,8 +1,8 @@
 """The torch backend end to end on CPU: events, batching, seeds, cancellation, resume, prefixes.
 
 Tiny random-weight models and the forced-sequence double run through the real scheduler thread,
-tokenizer, chat template, prompt renderer and output decoder. Every stream goes through
-``check_stream``.
+tokenizer and output decoder, on prompts rendered and tokenized as the API does. Every stream
+goes through ``check_stream``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import TorchBackend
 from services.worker.loaders import load_model
+from services.worker.torch_backend import TorchBackend
 from shared.errors import ContextOverflow
 from shared.events import (
     AnyEvent,
@@ -28,9 +28,10 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
-from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart, ToolDef
+from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart, ToolDef
 from tests.forced_model import forced_backend
 from tests.invariants import check_stream, generated_token_ids
+from tests.job_factory import as_job
 from tests.worker_models import tiny_tokenizer, write_hf_model
 
 torch.set_num_threads(1)
@@ -53,19 +54,23 @@ async def backend(tiny_dir: Path) -> AsyncIterator[TorchBackend]:
 
 def job(text: str = "Hello world", rid: str = "r1", **kw: object) -> GenerateRequest:
     kw.setdefault("sampling", SamplingParams(temperature=0.0))
-    return GenerateRequest(
+    ids = kw.pop("prompt_token_ids", None)
+    request = GenerateRequest(
         request_id=rid,
         model="tiny",
         messages=[Message(role="user", content=[TextPart(text=text)])],
         **kw,  # type: ignore[arg-type]
     )
+    if ids is None:
+        return request  # rendered for the backend that runs it (as_job)
+    return Job.of(request, prompt_token_ids=ids, prompt_text="")  # type: ignore[arg-type]
 
 
 async def run(
     b: TorchBackend, j: GenerateRequest, resume: list[int] | None = None, attempt: int = 1
 ) -> list[AnyEvent]:
     events: list[AnyEvent] = []
-    async for batch in b.generate(j, resume or [], attempt):
+    async for batch in b.generate(as_job(j, b), resume or [], attempt):
         events.extend(batch)
     check_stream(events)
     return events
@@ -118,7 +123,7 @@ async def test_prefix_reuse_reports_cached_tokens(backend: TorchBackend) -> None
 
 
 async def test_cancellation_frees_the_slot(backend: TorchBackend) -> None:
-    gen = backend.generate(job(max_tokens=200, ignore_eos=True), [], 1)
+    gen = backend.generate(as_job(job(max_tokens=200, ignore_eos=True), backend), [], 1)
     first = await anext(gen)
     assert isinstance(first[0], Start)
     assert backend.scheduler.active == 1
@@ -131,9 +136,9 @@ async def test_cancel_while_queued(tiny_dir: Path) -> None:
     b = TorchBackend(load_model(str(tiny_dir)), max_batch=1)
     await b.start()
     try:
-        running = b.generate(job(max_tokens=100, ignore_eos=True), [], 1)
+        running = b.generate(as_job(job(max_tokens=100, ignore_eos=True), b), [], 1)
         await anext(running)
-        queued = b.generate(job("other", "r2", max_tokens=5), [], 1)
+        queued = b.generate(as_job(job("other", "r2", max_tokens=5), b), [], 1)
         waiter = asyncio.ensure_future(anext(queued))
         await asyncio.sleep(0)
         waiter.cancel()

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.kernels import Kernels
-from services.worker.models.llama import RMSNorm
-from services.worker.models.quantized import (
+from services.worker.models.kernel_llama import (
     Activations,
     PackedLinear,
     pack_q4_1,
     pack_q8_0,
     unpack_q4_1,
 )
+from services.worker.models.llama import RMSNorm
 from tests.worker_models import gen as _gen
 
 torch.set_num_threads(1)

@@ -11,9 +11,9 @@ from torch import nn
 from services.worker import kernels
 from services.worker.kv_cache import build_batch
 from services.worker.loaders import load_model
+from services.worker.models.int_linears import Int4Linear, Int8Linear, quantize_linears
+from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.models.llama import LlamaModel
-from services.worker.models.quant import Int4Linear, Int8Linear, quantize_linears
-from services.worker.models.quantized import QuantizedLlama
 from tests.worker_models import (
     model_cache,
     prefill_logits,

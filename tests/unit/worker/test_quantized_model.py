@@ -12,15 +12,15 @@ from torch import nn
 from services.worker.kernels import Kernels, build
 from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import quantize_for_cpu
-from services.worker.models.llama import LlamaModel
-from services.worker.models.quant import Int4Linear, Int8Linear
-from services.worker.models.quantized import (
+from services.worker.models.int_linears import Int4Linear, Int8Linear
+from services.worker.models.kernel_llama import (
     QuantizedLlama,
     pack_q4_1,
     pack_q8_0,
     supports,
     unpack_q4_1,
 )
+from services.worker.models.llama import LlamaModel
 from tests.worker_models import (
     ARCH_MODEL_TYPE,
     SCALAR_KERNEL_FLAGS as SCALAR_FLAGS,

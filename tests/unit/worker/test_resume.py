@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.engine import TorchBackend
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.loaders import LoadedModel, build_card
 from services.worker.parsing.decoder import OutputDecoder
+from services.worker.torch_backend import TorchBackend
 from shared.accumulate import fold
 from shared.events import AnyEvent, Start
-from shared.jobs import GenerateRequest, SamplingParams
+from shared.jobs import GenerateRequest, Job, SamplingParams
 from tests.forced_model import ForcedSequenceModel
 from tests.invariants import check_stream, generated_token_ids
 from tests.unit.worker.decoder_harness import TOK, WEATHER, drive, ids, make_card, make_job
@@ -168,7 +168,7 @@ def scripted_backend() -> TorchBackend:
     return TorchBackend(loaded, max_batch=2)
 
 
-async def collect(b: TorchBackend, job: GenerateRequest, resume: list[int]) -> list[list[AnyEvent]]:
+async def collect(b: TorchBackend, job: Job, resume: list[int]) -> list[list[AnyEvent]]:
     batches: list[list[AnyEvent]] = []
     async for batch in b.generate(job, resume, 2 if resume else 1):
         batches.append(batch)
@@ -178,10 +178,11 @@ async def collect(b: TorchBackend, job: GenerateRequest, resume: list[int]) -> l
 
 async def test_engine_continuation_equals_the_uninterrupted_stream() -> None:
     scripted = scripted_backend()
-    job = GenerateRequest(
+    job = Job(
         request_id="r1",
         model="scripted",
         prompt_token_ids=PROMPT,
+        prompt_text="",
         stop=STOPS,
         max_tokens=64,
         sampling=SamplingParams(temperature=0.0),

@@ -14,6 +14,7 @@ from shared.jobs import GenerateRequest, Message, TextPart, ToolDef
 from shared.model_card import decode_card, encode_card
 from shared.prompt import PromptRenderer
 from tests.invariants import check_stream, generated_token_ids
+from tests.job_factory import as_job
 
 
 def job(script: str, **kw: object) -> GenerateRequest:
@@ -31,7 +32,7 @@ async def run(
 ) -> tuple[list[AnyEvent], Exception | None]:
     out: list[AnyEvent] = []
     try:
-        async for batch in b.generate(j, resume or [], attempt):
+        async for batch in b.generate(as_job(j, b), resume or [], attempt):
             assert batch, "empty batch"
             out.extend(batch)
     except Exception as exc:
@@ -57,7 +58,7 @@ async def test_every_scenario_is_a_valid_stream(backend: ScriptedBackend, scenar
     usage, finish = events[-2], events[-1]
     assert isinstance(usage, Usage) and isinstance(finish, Finish)
     assert usage.output_tokens == len(generated_token_ids(events))
-    assert usage.input_tokens == backend.prompt_tokens(job(scenario)) > 0
+    assert usage.input_tokens == backend.prompt_tokens(as_job(job(scenario), backend)) > 0
     # The ids are the real tokenization of what the "model" wrote, markers included.
     text = backend.tokenizer.decode(generated_token_ids(events), skip_special_tokens=False)
     assert backend.encode(text) == generated_token_ids(events)
@@ -140,4 +141,4 @@ def test_chat_template_is_chatml(backend: ScriptedBackend) -> None:
         "<|im_start|>user\necho these words<|im_end|>\n<|im_start|>assistant\n"
     )
     assert list(rendered.token_ids) == backend.encode(rendered.text)
-    assert backend.prompt_tokens(job("text")) == len(rendered.token_ids)
+    assert backend.prompt_tokens(as_job(job("text"), backend)) == len(rendered.token_ids)

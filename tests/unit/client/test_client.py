@@ -7,8 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.client import LiveSource, RecordedSource, ScriptedSource, StreamEvent, collect
 from shared.errors import ProtocolError
+from sluice_client import LiveSource, RecordedSource, ScriptedSource, StreamEvent, read_all
 from tests.factories import SCENARIOS
 from tests.invariants import check_stream
 
@@ -16,7 +16,7 @@ from tests.invariants import check_stream
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 async def test_scripted_source_yields_the_script(name: str) -> None:
     events = SCENARIOS[name]()
-    got = await collect(ScriptedSource(events))
+    got = await read_all(ScriptedSource(events))
     check_stream(got)
     assert got == events
 
@@ -67,7 +67,7 @@ async def test_recorded_source_rejects_garbage(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"id": "1-0", "t_ms": 0, "event": {"type": "nope"}}\n')
     with pytest.raises(ProtocolError, match=r"bad\.jsonl:1"):
-        await collect(RecordedSource(path))
+        await read_all(RecordedSource(path))
 
 
 def test_live_source_needs_exactly_one_of_job_and_id() -> None:

@@ -33,7 +33,7 @@ from shared.events import (
     Usage,
     is_terminal,
 )
-from shared.jobs import GenerateRequest
+from shared.jobs import Job
 
 __all__ = ["CTX_KEY", "ActiveJob", "WorkerContext", "generate", "run_job"]
 
@@ -70,7 +70,7 @@ class WorkerContext:
 
 
 async def generate(ctx: dict[str, Any], payload: bytes) -> None:
-    """The arq job: one generation request (``payload`` = msgpack ``GenerateRequest``)."""
+    """The arq job: one generation request (``payload`` = msgpack ``Job``)."""
     await run_job(ctx[CTX_KEY], decode_job(payload))
 
 
@@ -112,7 +112,7 @@ def _error_event(exc: BaseException) -> Error:
     return Error(kind="internal", message=f"{type(exc).__name__}: {exc}", retryable=True)
 
 
-async def run_job(wc: WorkerContext, job: GenerateRequest) -> None:
+async def run_job(wc: WorkerContext, job: Job) -> None:
     """Generate ``job`` onto its stream (idempotent; resumes a lost worker's partial output)."""
     rid = job.request_id
     pub = Publisher(wc.redis, rid, wc.wid, wc.settings)
@@ -142,7 +142,7 @@ async def run_job(wc: WorkerContext, job: GenerateRequest) -> None:
             await asyncio.shield(_settle(wc, pub, finished=pub.terminal is not None))
 
 
-async def _open(wc: WorkerContext, job: GenerateRequest, pub: Publisher) -> list[Any]:
+async def _open(wc: WorkerContext, job: Job, pub: Publisher) -> list[Any]:
     """One round trip to get going: history, cancel flag, attempts, the lease, in-flight entry."""
     rid = job.request_id
     async with wc.redis.pipeline(transaction=False) as pipe:
@@ -177,7 +177,7 @@ async def _settle(wc: WorkerContext, pub: Publisher, *, finished: bool) -> None:
 
 async def _drive(
     wc: WorkerContext,
-    job: GenerateRequest,
+    job: Job,
     pub: Publisher,
     tally: _Tally,
     attempt: int,

@@ -1,7 +1,7 @@
 """JSONL export and replay of event streams: ``sluice export`` and ``sluice replay``.
 
 Owns writing a request's event log straight from Redis as JSONL (one ``StreamEvent`` per line)
-and the two CLI commands built on it and on the sources in ``shared.sources``. redis is
+and the two CLI commands built on it and on the sources in ``sluice_client.sources``. redis is
 imported inside the function that uses it, so importing this module does no I/O.
 """
 
@@ -20,7 +20,7 @@ from shared.codec import decode_entry
 from shared.config import Settings
 from shared.errors import NotFound, ServiceError
 from shared.events import is_terminal
-from shared.sources import EventSource, LiveSource, RecordedSource, StreamEvent, entry_ms
+from sluice_client.sources import EventSource, LiveSource, RecordedSource, StreamEvent, entry_ms
 
 __all__ = ["cli_export", "cli_replay", "export_stream"]
 

@@ -42,8 +42,8 @@ __all__ = [
     "RecordedSource",
     "ScriptedSource",
     "StreamEvent",
-    "collect",
     "entry_ms",
+    "read_all",
 ]
 
 _SERVER_FIELDS = ("request_id", "owner", "created", "prompt_token_ids", "prompt_text", "origin")
@@ -82,7 +82,7 @@ def entry_ms(entry_id: str) -> int:
     return int(entry_id.partition("-")[0] or 0)
 
 
-async def collect(source: EventSource) -> list[AnyEvent]:
+async def read_all(source: EventSource) -> list[AnyEvent]:
     """All events of a source, in order.
 
     Args:

@@ -1,10 +1,10 @@
 """The torch ``Backend``: model loading at start-up and the asyncio face of the decode loop.
 
-Owns ``load_backend`` (settings + model spec -> a ready backend) and ``TorchBackend``, whose
-``generate`` resolves the prompt ids, the sampling config and the seeded generator, submits a
-``Sequence`` to the ``Scheduler`` thread and relays its event batches from an asyncio queue.
-Closing the iterator early cancels: the slot is freed before ``aclose`` returns. Knows nothing
-about Redis.
+Owns ``TorchBackend``: ``TorchBackend.load`` turns settings + a model spec into a ready backend;
+``generate`` takes the job's prompt ids (the API rendered and tokenized them), resolves the
+sampling config and the seeded generator, submits a ``SequenceState`` to the ``Scheduler``
+thread and relays its event batches from an asyncio queue. Closing the iterator early cancels:
+the slot is freed before ``aclose`` returns. Knows nothing about Redis.
 
 It also sizes the cached-token budget (``Settings.max_cached_tokens``; 0 derives it from
 ``KV_BUDGET_BYTES`` and the model's bytes of keys and values per token) and rejects, with
@@ -21,18 +21,18 @@ import torch
 
 from services.worker.loaders import LoadedModel, load_model
 from services.worker.sampling import SamplingConfig
-from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, Sequence
+from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, SequenceState
 from shared.config import Settings
 from shared.errors import ContextOverflow, InvalidRequest
-from shared.events import AnyEvent, Finish, is_terminal
-from shared.jobs import GenerateRequest
+from shared.events import AnyEvent, is_terminal
+from shared.jobs import Job
 from shared.model_card import ModelCard
+from shared.prompt import starts_in_reasoning
 
 __all__ = [
     "KV_BUDGET_BYTES",
     "TorchBackend",
     "derive_max_cached_tokens",
-    "load_backend",
     "sampling_config",
 ]
 
@@ -51,7 +51,7 @@ def derive_max_cached_tokens(
     return max(context, min(slots * context, KV_BUDGET_BYTES // per_token))
 
 
-def sampling_config(job: GenerateRequest, card: ModelCard) -> SamplingConfig:
+def sampling_config(job: Job, card: ModelCard) -> SamplingConfig:
     """Resolve a job's sampling knobs over the model's generation_config defaults."""
     s = job.sampling
     temperature = s.temperature if s.temperature is not None else card.default_temperature
@@ -76,7 +76,6 @@ class TorchBackend:
         loaded: LoadedModel,
         *,
         max_batch: int,
-        reasoning_when_hidden: bool = False,
         make_decoder: DecoderFactory | None = None,
         max_cached_tokens: int = 0,
     ) -> None:
@@ -84,14 +83,9 @@ class TorchBackend:
 
         ``max_cached_tokens`` bounds the tokens running sequences may hold (0: derived).
         """
-        from shared.prompt import PromptRenderer
-
         self.loaded = loaded
         self.card: ModelCard = loaded.card
         self.max_batch = max_batch
-        self.renderer = PromptRenderer(
-            loaded.card, loaded.tokenizer, reasoning_when_hidden=reasoning_when_hidden
-        )
         cfg = loaded.model.config
         budget = max_cached_tokens or derive_max_cached_tokens(
             layers=int(cfg.num_layers),
@@ -113,7 +107,7 @@ class TorchBackend:
         )
 
     def _output_decoder(
-        self, job: GenerateRequest, prompt_tokens: int, cached: int, in_reasoning: bool
+        self, job: Job, prompt_tokens: int, cached: int, in_reasoning: bool
     ) -> DecoderLike:
         from services.worker.parsing.decoder import OutputDecoder
 
@@ -134,25 +128,17 @@ class TorchBackend:
         """Stop the decode loop; in-flight iterators raise."""
         await asyncio.to_thread(self.scheduler.stop)
 
-    def _prompt(self, job: GenerateRequest) -> tuple[list[int], bool]:
-        from shared.prompt import starts_in_reasoning
-
-        if job.prompt_token_ids is not None:
-            ids = list(job.prompt_token_ids)
-            return ids, starts_in_reasoning(ids, self.card.reasoning)
-        rendered = self.renderer.render(job)
-        return list(rendered.token_ids), rendered.starts_in_reasoning
-
     def _sequence(
         self,
-        job: GenerateRequest,
+        job: Job,
         resume: list[int],
         attempt: int,
         emit: Callable[[list[AnyEvent] | BaseException], None],
         on_freed: Callable[[], None],
-    ) -> Sequence:
+    ) -> SequenceState:
         """Validate the prompt and build the scheduler's sequence for ``job``."""
-        prompt, in_reasoning = self._prompt(job)
+        prompt = list(job.prompt_token_ids)
+        in_reasoning = starts_in_reasoning(prompt, self.card.reasoning)
         ctx, vocab = self.scheduler.context_length, self.scheduler.vocab
         if not prompt:
             raise InvalidRequest("the prompt is empty")
@@ -178,7 +164,7 @@ class TorchBackend:
                 f"this worker's {budget}-token cache budget"
             )
         max_new = min(max_new, ctx - len(prompt))
-        seq = Sequence(
+        seq = SequenceState(
             job=job,
             prompt=prompt,
             resume=list(resume),
@@ -202,7 +188,7 @@ class TorchBackend:
         return seq
 
     async def generate(
-        self, job: GenerateRequest, resume_token_ids: list[int], attempt: int
+        self, job: Job, resume_token_ids: list[int], attempt: int
     ) -> AsyncIterator[list[AnyEvent]]:
         """Yield the job's events step by step: Start, deltas, then Usage and Finish.
 
@@ -239,42 +225,33 @@ class TorchBackend:
                 self.scheduler.cancel(seq)
                 await freed
 
-    async def collect(self, job: GenerateRequest) -> list[AnyEvent]:
-        """Run a job to completion and return all its events (benchmarks, tests, native API)."""
-        events: list[AnyEvent] = []
-        async for batch in self.generate(job, [], 1):
-            events.extend(batch)
-            if isinstance(batch[-1], Finish):
-                break
-        return events
+    @classmethod
+    def load(cls, settings: Settings, model_spec: str, name: str | None) -> TorchBackend:
+        """Load ``model_spec`` and build the backend the worker serves.
 
+        Args:
+            settings: device, dtype, threads, max_batch, cache budget (the reasoning default
+                only matters where prompts are rendered: the API).
+            model_spec: ``"smollm2"``, a ``.gguf`` path, or a Hugging Face directory.
+            name: public model id (default: derived from the spec).
 
-def load_backend(settings: Settings, model_spec: str, name: str | None) -> TorchBackend:
-    """Load ``model_spec`` and build the backend the worker serves.
+        Returns:
+            A backend; call ``await backend.start()`` before ``generate``.
 
-    Args:
-        settings: device, dtype, threads, max_batch, reasoning default.
-        model_spec: ``"smollm2"``, a ``.gguf`` path, or a Hugging Face directory.
-        name: public model id (default: derived from the spec).
-
-    Returns:
-        A backend; call ``await backend.start()`` before ``generate``.
-
-    Raises:
-        ModelLoadError: the model cannot be loaded (the message says why).
-    """
-    if settings.threads > 0:
-        torch.set_num_threads(settings.threads)
-    loaded = load_model(
-        model_spec,
-        name=name or settings.model_name,
-        device=settings.device,
-        dtype=settings.dtype,
-        cpu_kernels=settings.cpu_kernels,
-    )
-    return TorchBackend(
-        loaded,
-        max_batch=settings.max_batch,
-        reasoning_when_hidden=settings.reasoning_when_hidden,
-        max_cached_tokens=settings.max_cached_tokens,
-    )
+        Raises:
+            ModelLoadError: the model cannot be loaded (the message says why).
+        """
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        loaded = load_model(
+            model_spec,
+            name=name or settings.model_name,
+            device=settings.device,
+            dtype=settings.dtype,
+            cpu_kernels=settings.cpu_kernels,
+        )
+        return cls(
+            loaded,
+            max_batch=settings.max_batch,
+            max_cached_tokens=settings.max_cached_tokens,
+        )
