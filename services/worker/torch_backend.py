@@ -249,6 +249,7 @@ class TorchBackend:
             device=settings.device,
             dtype=settings.dtype,
             cpu_kernels=settings.cpu_kernels,
+            kernel_dir=settings.kernel_dir,
         )
         return cls(
             loaded,

@@ -168,6 +168,7 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     cpu_kernels: bool = True,
+    kernel_dir: str | None = None,
 ) -> LoadedModel:
     """Load ``spec`` (``"smollm2"``, a ``.gguf`` file or a Hugging Face directory).
 
@@ -178,6 +179,8 @@ def load_model(
         dtype: ``auto``, ``float32``, ``bfloat16``, ``float16`` or ``int4`` (CPU weight-only).
         cpu_kernels: run 4-bit CPU models on sluice's C kernels when they build (else torch's
             int4 kernels).
+        kernel_dir: where the kernels are built and cached (``SLUICE_KERNEL_DIR``); None for
+            ``kernels.default_dir()``.
 
     Returns:
         The loaded model, tokenizer and card.
@@ -211,7 +214,8 @@ def load_model(
     if dtype == "int4" or (dtype == "auto" and dev.type == "cpu" and four_bit):
         from services.worker import kernels
 
-        ready = quantize_for_cpu(model, kernels.load() if cpu_kernels else None)
+        built = kernels.load(Path(kernel_dir) if kernel_dir else None) if cpu_kernels else None
+        ready = quantize_for_cpu(model, built)
     return LoadedModel(
         model=ready,
         tokenizer=tokenizer,
