@@ -11,10 +11,9 @@ everyone else it does not exist (404, never 403, so ids cannot be probed).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
+from services.api.state import AppState
 from services.api.submit import cancel, load_job
 from services.api.wire.openai_responses import render
 from services.api.wire.openai_responses_items import items_to_messages
@@ -25,9 +24,6 @@ from shared.codec import decode_entry
 from shared.errors import InvalidRequest, NotFound, PermissionDenied
 from shared.events import AnyEvent, is_terminal
 from shared.jobs import Message
-
-if TYPE_CHECKING:
-    from services.api.app import AppState
 
 __all__ = [
     "StoredResponse",

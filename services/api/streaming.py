@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -30,14 +30,12 @@ from starlette.requests import ClientDisconnect
 
 from services.api import sse
 from services.api.start_timeout import claim_unstarted, start_deadline
+from services.api.state import AppState
 from services.api.submit import cancel
 from shared import keys
 from shared.codec import decode_entry
 from shared.errors import ProtocolError
 from shared.events import AnyEvent, Error, is_terminal
-
-if TYPE_CHECKING:
-    from services.api.app import AppState
 
 __all__ = ["Projector", "collect", "sse_response", "tail"]
 

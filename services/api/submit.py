@@ -29,7 +29,7 @@ from shared.errors import (
 from shared.jobs import GenerateRequest
 
 if TYPE_CHECKING:
-    from services.api.app import AppState
+    from services.api.state import AppState
 
 __all__ = ["ARQ_FUNCTION", "cancel", "load_job", "new_request_id", "submit"]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import msgspec
 from fastapi import APIRouter, Request, Response
 
-from services.api.app import AppState, get_state
 from services.api.auth import authenticate
 from services.api.replay import catch_up
+from services.api.state import AppState, get_state
 from services.api.streaming import collect, sse_response
 from services.api.submit import load_job, new_request_id, submit
 from services.api.wire.openai_chat import ChatContext, ChatProjector, error_from_event, render

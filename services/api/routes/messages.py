@@ -16,9 +16,9 @@ import asyncio
 import msgspec
 from fastapi import APIRouter, Request, Response
 
-from services.api.app import AppState, get_state
 from services.api.auth import authenticate
 from services.api.replay import catch_up
+from services.api.state import AppState, get_state
 from services.api.streaming import collect, sse_response
 from services.api.submit import load_job, new_request_id, submit
 from services.api.wire.anthropic_messages import PING, AnthropicProjector, MessageContext, render

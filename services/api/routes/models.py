@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from services.api.app import get_state
+from services.api.state import get_state
 from shared.errors import InvalidRequest, ModelNotFound
 from shared.model_card import ModelCard
 

@@ -15,8 +15,8 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from services.api import responses_store
-from services.api.app import get_state
 from services.api.auth import authenticate
+from services.api.state import get_state
 from services.api.streaming import collect, sse_response, tail
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire.openai_responses import (
