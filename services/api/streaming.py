@@ -28,10 +28,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from services.api import sse
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
 from services.api.submit import cancel
+from services.api.wire import sse
 from shared import keys
 from shared.codec import decode_entry
 from shared.errors import ProtocolError

@@ -19,8 +19,8 @@ from anthropic.types import Message
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from services.api.sse import MEDIA_TYPE
-from services.api.wire.anthropic_messages import MessageContext, render
+from services.api.wire.anthropic_messages.projector import MessageContext, render
+from services.api.wire.sse import MEDIA_TYPE
 from shared.accumulate import fold
 from shared.events import Error
 from tests.conformance.transcript_server import serve_post

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.api.errors import openai_error_body
-from services.api.sse import comment
-from services.api.wire.openai_chat import error_from_event, render
+from services.api.wire.openai_chat.projector import error_from_event, render
+from services.api.wire.sse import comment
 from shared.accumulate import fold
 from shared.events import Error
 from tests.conformance.transcript_server import serve_post

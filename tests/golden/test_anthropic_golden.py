@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from services.api.wire.anthropic_messages import AnthropicProjector, MessageContext, render
+from services.api.wire.anthropic_messages.projector import (
+    AnthropicProjector,
+    MessageContext,
+    render,
+)
 from shared.accumulate import fold
 from shared.events import AnyEvent, Error
 from tests.factories import SCENARIOS

@@ -19,8 +19,13 @@ from services.api.replay import catch_up
 from services.api.state import AppState, get_state
 from services.api.streaming import collect, sse_response
 from services.api.submit import load_job, new_request_id, submit
-from services.api.wire.openai_chat import ChatContext, ChatProjector, error_from_event, render
-from services.api.wire.openai_chat_request import parse_chat_request
+from services.api.wire.openai_chat.projector import (
+    ChatContext,
+    ChatProjector,
+    error_from_event,
+    render,
+)
+from services.api.wire.openai_chat.request import parse_chat_request
 from shared.accumulate import fold
 from shared.jobs import GenerateRequest
 

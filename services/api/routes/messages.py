@@ -21,8 +21,13 @@ from services.api.replay import catch_up
 from services.api.state import AppState, get_state
 from services.api.streaming import collect, sse_response
 from services.api.submit import load_job, new_request_id, submit
-from services.api.wire.anthropic_messages import PING, AnthropicProjector, MessageContext, render
-from services.api.wire.anthropic_messages_request import (
+from services.api.wire.anthropic_messages.projector import (
+    PING,
+    AnthropicProjector,
+    MessageContext,
+    render,
+)
+from services.api.wire.anthropic_messages.request import (
     build_job,
     parse_count_tokens_request,
     parse_messages_request,

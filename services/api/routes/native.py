@@ -12,12 +12,12 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from services.api import sse
 from services.api.auth import authenticate
 from services.api.hub import parse_id
 from services.api.state import get_state
 from services.api.streaming import sse_response
 from services.api.submit import cancel, load_job, new_request_id, submit
+from services.api.wire import sse
 from shared.errors import InvalidRequest
 from shared.events import AnyEvent
 from shared.jobs import GenerateRequest

@@ -19,13 +19,13 @@ from services.api.auth import authenticate
 from services.api.state import get_state
 from services.api.streaming import collect, sse_response, tail
 from services.api.submit import cancel, new_request_id, submit
-from services.api.wire.openai_responses import (
+from services.api.wire.openai_responses.projector import (
     ResponsesContext,
     ResponsesProjector,
     error_from_event,
     render,
 )
-from services.api.wire.openai_responses_request import (
+from services.api.wire.openai_responses.request import (
     build_job,
     input_messages,
     parse_request,

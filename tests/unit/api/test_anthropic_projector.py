@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from services.api import sse
 from services.api.errors import anthropic_error_body
-from services.api.wire.anthropic_messages import (
+from services.api.wire import sse
+from services.api.wire.anthropic_messages.projector import (
     PING,
     AnthropicProjector,
     MessageContext,

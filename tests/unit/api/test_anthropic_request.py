@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from services.api.wire.anthropic_messages_request import (
+from services.api.wire.anthropic_messages.request import (
     build_job,
     parse_count_tokens_request,
     parse_messages_request,

@@ -7,14 +7,14 @@ import json
 import msgspec
 import pytest
 
-from services.api.sse import Frame
-from services.api.wire.openai_chat import (
+from services.api.wire.openai_chat.projector import (
     ChatContext,
     ChatProjector,
     ReasoningField,
     error_from_event,
     render,
 )
+from services.api.wire.sse import Frame
 from shared.accumulate import fold
 from shared.errors import ContextOverflow, InvalidRequest, Overloaded, ServiceError, WorkerLost
 from shared.events import (

@@ -8,14 +8,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from services.api.sse import encode
-from services.api.wire.openai_responses import (
+from services.api.wire.openai_responses.projector import (
     ResponsesContext,
     ResponsesProjector,
     error_from_event,
     render,
 )
-from services.api.wire.openai_responses_request import parse_request, skeleton
+from services.api.wire.openai_responses.request import parse_request, skeleton
+from services.api.wire.sse import encode
 from shared.accumulate import fold
 from shared.errors import Overloaded
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, TokenLogprob, TopLogprob, Usage

@@ -15,8 +15,8 @@ from typing import Literal, cast
 import msgspec
 
 from services.api.wire.common import EFFORTS, JsonObject, reasoning_effort
-from services.api.wire.openai_responses_items import items_to_messages, validation_error
-from services.api.wire.openai_responses_types import (
+from services.api.wire.openai_responses.items import items_to_messages, validation_error
+from services.api.wire.openai_responses.types import (
     FunctionTool,
     ReasoningConfig,
     Response,

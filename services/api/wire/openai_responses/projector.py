@@ -15,8 +15,7 @@ from typing import assert_never
 
 import msgspec
 
-from services.api.sse import Frame, json_frame
-from services.api.wire.openai_responses_render import (
+from services.api.wire.openai_responses.render import (
     ItemKind,
     build_item,
     error_from_event,
@@ -26,7 +25,7 @@ from services.api.wire.openai_responses_render import (
     render,
     terminal_status,
 )
-from services.api.wire.openai_responses_types import (
+from services.api.wire.openai_responses.types import (
     ContentPartAdded,
     ContentPartDone,
     ErrorEvent,
@@ -49,6 +48,7 @@ from services.api.wire.openai_responses_types import (
     ResponseLifecycle,
     StreamEvent,
 )
+from services.api.wire.sse import Frame, json_frame
 from shared.events import (
     AnyEvent,
     Error,

@@ -20,9 +20,9 @@ from typing import Literal, assert_never
 
 import msgspec
 
-from services.api.sse import Frame, json_frame
 from services.api.wire import common
 from services.api.wire.common import JsonObject
+from services.api.wire.sse import Frame, json_frame
 from shared.accumulate import Completion, ReasoningBlock, TextBlock, ToolCallBlock
 from shared.errors import ServiceError
 from shared.events import (

@@ -14,9 +14,8 @@ import msgspec
 from msgspec import UNSET
 
 from services.api.errors import openai_error_body
-from services.api.sse import Frame, json_frame
 from services.api.wire.common import service_error
-from services.api.wire.openai_chat_types import (
+from services.api.wire.openai_chat.types import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatFinishReason,
@@ -36,6 +35,7 @@ from services.api.wire.openai_chat_types import (
     ToolCallOut,
     TopLogprobOut,
 )
+from services.api.wire.sse import Frame, json_frame
 from shared.accumulate import Completion, TextBlock
 from shared.errors import ServiceError
 from shared.events import (

@@ -13,7 +13,7 @@ from typing import Literal, assert_never
 import msgspec
 
 from services.api.wire.common import service_error
-from services.api.wire.openai_responses_types import (
+from services.api.wire.openai_responses.types import (
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,

@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from services.api.wire.anthropic_messages_types import (
+from services.api.wire.anthropic_messages.request_types import (
     BLOCK_TYPES,
     ContentBlock,
     MessagesRequest,
