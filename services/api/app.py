@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.auth import authenticate
 from services.api.cards import CardCache
-from services.api.errors import install_error_handlers
+from services.api.error_handlers import install_error_handlers
 from services.api.hub import StreamHub
 from services.api.routes import chat, health, messages, models, native, responses
 from services.api.start_timeout import sweep_loop

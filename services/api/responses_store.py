@@ -15,9 +15,7 @@ import msgspec
 
 from services.api.state import AppState
 from services.api.submit import cancel, load_job
-from services.api.wire.openai_responses.items import items_to_messages
-from services.api.wire.openai_responses.projector import render
-from services.api.wire.openai_responses.types import Response
+from services.api.wire.openai_responses import Response, items_to_messages, render
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry

@@ -25,7 +25,7 @@ from openai.types.responses import (
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.api.wire.openai_responses.projector import render
+from services.api.wire.openai_responses import render
 from shared.accumulate import fold
 from tests.conformance.transcript_server import serve_post
 from tests.factories import SCENARIOS

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from services.api.wire.anthropic_messages.projector import (
-    AnthropicProjector,
-    MessageContext,
+from services.api.wire.anthropic_messages import (
+    Context as MessageContext,
+    Projector as AnthropicProjector,
     render,
 )
 from shared.accumulate import fold
@@ -55,4 +56,4 @@ def test_transcript_passes_strict_consumer_and_equals_render(name: str) -> None:
         assert failed.value.error["message"] == last.message
         assert failed.value.error["type"] in {"api_error", "overloaded_error"}
         return
-    assert strict_consume(parsed) == render(fold(events), CTX)
+    assert strict_consume(parsed) == msgspec.to_builtins(render(fold(events), CTX))

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import torch
 from openai.types.chat import ChatCompletion
 
-from services.api.wire.openai_chat.projector import ChatContext, render
+from services.api.wire.openai_chat import Context as ChatContext, render
 from services.worker.engine import TorchBackend
 from services.worker.main import start_worker
 from shared import keys

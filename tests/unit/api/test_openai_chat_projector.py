@@ -7,13 +7,13 @@ import json
 import msgspec
 import pytest
 
-from services.api.wire.openai_chat.projector import (
-    ChatContext,
-    ChatProjector,
-    ReasoningField,
-    error_from_event,
+from services.api.wire.common import service_error as error_from_event
+from services.api.wire.openai_chat import (
+    Context as ChatContext,
+    Projector as ChatProjector,
     render,
 )
+from services.api.wire.openai_chat.types import ReasoningField
 from services.api.wire.sse import Frame
 from shared.accumulate import fold
 from shared.errors import ContextOverflow, InvalidRequest, Overloaded, ServiceError, WorkerLost

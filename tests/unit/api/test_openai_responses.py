@@ -8,13 +8,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from services.api.wire.openai_responses.projector import (
-    ResponsesContext,
-    ResponsesProjector,
-    error_from_event,
+from services.api.wire.common import service_error as error_from_event
+from services.api.wire.openai_responses import (
+    Context as ResponsesContext,
+    Projector as ResponsesProjector,
+    parse_request,
     render,
+    skeleton,
 )
-from services.api.wire.openai_responses.request import parse_request, skeleton
 from services.api.wire.sse import encode
 from shared.accumulate import fold
 from shared.errors import Overloaded

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from services.api.wire.openai_responses.items import items_to_messages
-from services.api.wire.openai_responses.request import (
+from services.api.wire.openai_responses import (
     build_job,
     input_messages,
+    items_to_messages,
     parse_request,
     skeleton,
 )
