@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request, Response
 from services.api.auth import authenticate
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
-from services.api.streaming import collect, sse_response
+from services.api.streaming import collect_events, sse_response
 from services.api.submit import load_job, new_request_id, submit
 from services.api.wire import openai_chat
 from services.api.wire.common import service_error
@@ -44,7 +44,7 @@ def _context(state: AppState, job: GenerateRequest, *, include_usage: bool) -> o
 
 
 async def _completion(state: AppState, request: Request, ctx: openai_chat.Context) -> Response:
-    completion = fold(await collect(state, request, ctx.id))
+    completion = fold(await collect_events(state, request, ctx.id))
     if completion.error is not None:
         raise service_error(completion.error)
     body = msgspec.json.encode(openai_chat.render(completion, ctx))

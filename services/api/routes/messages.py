@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from services.api.auth import authenticate
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
-from services.api.streaming import collect, sse_response
+from services.api.streaming import collect_events, sse_response
 from services.api.submit import load_job, new_request_id, submit
 from services.api.wire import anthropic_messages
 from shared.accumulate import fold
@@ -52,7 +52,7 @@ async def create_message(request: Request) -> Response:
     if req.stream:
         projector = anthropic_messages.Projector(ctx)
         return sse_response(state, request, rid, projector, keepalive=PING, headers=headers)
-    events = await collect(state, request, rid)
+    events = await collect_events(state, request, rid)
     body = anthropic_messages.render(fold(events), ctx)
     return Response(_JSON.encode(body), media_type="application/json", headers=headers)
 
@@ -86,7 +86,7 @@ async def retrieve_message(rid: str, request: Request) -> Response:
     """The finished message of a stored request (waits for the end if still generating)."""
     state = get_state(request)
     ctx = await _stored(state, request, rid)
-    body = anthropic_messages.render(fold(await collect(state, request, rid)), ctx)
+    body = anthropic_messages.render(fold(await collect_events(state, request, rid)), ctx)
     return Response(_JSON.encode(body), media_type="application/json", headers={"request-id": rid})
 
 

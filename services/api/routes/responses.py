@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request, Response
 from services.api import responses_store
 from services.api.auth import authenticate
 from services.api.state import get_state
-from services.api.streaming import collect, sse_response, tail
+from services.api.streaming import collect_events, sse_response, tail
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire import openai_responses
 from services.api.wire.common import service_error
@@ -62,7 +62,7 @@ async def create_response(request: Request) -> Response:
     if req.stream:
         projector = openai_responses.Projector(openai_responses.Context(skeleton=echo))
         return sse_response(state, request, rid, projector, headers={"x-request-id": rid})
-    completion = fold(await collect(state, request, rid))
+    completion = fold(await collect_events(state, request, rid))
     if completion.error is not None and completion.start is None:
         raise service_error(completion.error)  # rejected before generation: an HTTP error
     return _json(openai_responses.render(completion, echo), rid)
