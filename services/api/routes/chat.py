@@ -15,10 +15,11 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from services.api.auth import authenticate
+from services.api.ownership import REQUESTS, load_owned
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, sse_response
-from services.api.submit import load_job, new_request_id, submit
+from services.api.submit import new_request_id, submit
 from services.api.wire import openai_chat
 from services.api.wire.common import service_error
 from shared.accumulate import fold
@@ -72,7 +73,7 @@ async def create_chat_completion(request: Request) -> Response:
 async def retrieve_chat_completion(rid: str, request: Request) -> Response:
     """The ``chat.completion`` of a stored request (waits for the end if still generating)."""
     state = get_state(request)
-    job = await load_job(state, rid, await authenticate(request))
+    job = await load_owned(state, REQUESTS, rid, await authenticate(request))
     return await _completion(state, request, _context(state, job, include_usage=True))
 
 
@@ -80,7 +81,7 @@ async def retrieve_chat_completion(rid: str, request: Request) -> Response:
 async def replay_chat_completion(rid: str, request: Request) -> Response:
     """Re-stream a stored request as chunks, from the start or after ``Last-Event-ID``."""
     state = get_state(request)
-    job = await load_job(state, rid, await authenticate(request))
+    job = await load_owned(state, REQUESTS, rid, await authenticate(request))
     usage = request.query_params.get("include_usage", "").lower() in _TRUTHY
     projector = openai_chat.Projector(_context(state, job, include_usage=usage))
     # Caught up, the role and each tool call's id/name are not sent twice (the SDK would

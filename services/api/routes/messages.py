@@ -17,10 +17,11 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from services.api.auth import authenticate
+from services.api.ownership import REQUESTS, load_owned
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, sse_response
-from services.api.submit import load_job, new_request_id, submit
+from services.api.submit import new_request_id, submit
 from services.api.wire import anthropic_messages
 from shared.accumulate import fold
 from shared.errors import InvalidRequest
@@ -78,7 +79,7 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _stored(state: AppState, request: Request, rid: str) -> anthropic_messages.Context:
-    return _context(await load_job(state, rid, await authenticate(request)))
+    return _context(await load_owned(state, REQUESTS, rid, await authenticate(request)))
 
 
 @router.get("/v1/messages/{rid}")

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request, Response
 
 from services.api import responses_store
 from services.api.auth import authenticate
+from services.api.ownership import load_owned
 from services.api.state import get_state
 from services.api.streaming import collect_events, sse_response, tail
 from services.api.submit import cancel, new_request_id, submit
@@ -74,7 +75,8 @@ async def retrieve_response(
 ) -> Response:
     """Retrieve a stored response, or re-stream its events after ``starting_after``."""
     state = get_state(request)
-    record = await responses_store.load(state, response_id, await authenticate(request))
+    owner = await authenticate(request)
+    record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
     if stream:
         ctx = openai_responses.Context(skeleton=record.skeleton, starting_after=starting_after)
         projector = openai_responses.Projector(ctx)
@@ -90,7 +92,9 @@ async def retrieve_response(
 async def delete_response(request: Request, response_id: str) -> Response:
     """Delete a stored response."""
     state = get_state(request)
-    await responses_store.delete(state, response_id, await authenticate(request))
+    owner = await authenticate(request)
+    record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
+    await responses_store.delete(state, record)
     return _json({"id": response_id, "object": "response", "deleted": True}, response_id)
 
 
@@ -98,7 +102,8 @@ async def delete_response(request: Request, response_id: str) -> Response:
 async def cancel_response(request: Request, response_id: str) -> Response:
     """Cancel an in-progress response; returns it once the worker has stopped (or as it is)."""
     state = get_state(request)
-    record = await responses_store.load(state, response_id, await authenticate(request))
+    owner = await authenticate(request)
+    record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
     response = await responses_store.current(state, record)
     if response.status != "in_progress":
         raise InvalidRequest(f"Cannot cancel a response with status '{response.status}'")
