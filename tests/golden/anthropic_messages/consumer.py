@@ -1,4 +1,4 @@
-"""A strict Anthropic stream consumer, as demanding as Claude Code (wire-formats.md §4.9).
+"""A strict Anthropic stream consumer, as demanding as Claude Code.
 
 ``parse_sse`` splits raw SSE bytes into ``(event name, data)`` pairs; ``strict_consume`` checks
 the lifecycle rules the SDK forgives but Claude Code does not (one ``message_start``; blocks
