@@ -31,7 +31,7 @@ __all__ = ["router"]
 
 router = APIRouter()
 _JSON = msgspec.json.Encoder()
-PING = anthropic_messages.PING
+_PING = anthropic_messages.PING
 
 
 def _context(job: GenerateRequest) -> anthropic_messages.Context:
@@ -52,7 +52,7 @@ async def create_message(request: Request) -> Response:
     headers = {"request-id": rid}
     if req.stream:
         projector = anthropic_messages.Projector(ctx)
-        return sse_response(state, request, rid, projector, keepalive=PING, headers=headers)
+        return sse_response(state, request, rid, projector, keepalive=_PING, headers=headers)
     events = await collect_events(state, request, rid)
     body = anthropic_messages.render(fold(events), ctx)
     return Response(_JSON.encode(body), media_type="application/json", headers=headers)
@@ -102,5 +102,5 @@ async def replay_message(rid: str, request: Request) -> Response:
     after = await catch_up(state, request, rid, projector)
     headers = {"request-id": rid}
     return sse_response(
-        state, request, rid, projector, after=after, keepalive=PING, headers=headers
+        state, request, rid, projector, after=after, keepalive=_PING, headers=headers
     )
