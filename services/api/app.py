@@ -1,4 +1,4 @@
-"""The FastAPI application factory and the state its lifespan owns.
+"""The FastAPI application factory: its lifespan builds the state, and every router is mounted.
 
 ``create_app(settings)`` builds an app with no module globals: the lifespan opens one Redis
 connection pool (shared by the command client and arq's enqueue client), the ``StreamHub`` with
@@ -13,48 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import msgspec
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.auth import authenticate
 from services.api.cards import CardCache
-from services.api.errors import install_error_handlers
+from services.api.error_handlers import install_error_handlers
 from services.api.hub import StreamHub
+from services.api.routes import chat, health, messages, models, native, responses
 from services.api.start_timeout import sweep_loop
+from services.api.state import AppState
 from shared.config import Settings
 from shared.errors import RequestTooLarge
 
-__all__ = ["AppState", "create_app", "get_state"]
-
-
-@dataclass
-class AppState:
-    """Everything a request handler needs; stored on ``app.state.sluice``."""
-
-    settings: Settings
-    redis: aioredis.Redis
-    arq: ArqRedis
-    hub: StreamHub
-    cards: CardCache
-    background: set[asyncio.Task[None]] = field(default_factory=set)  # fire-and-forget work
-
-
-def get_state(request: Request) -> AppState:
-    """The app state of the request's application.
-
-    Args:
-        request: any request.
-
-    Returns:
-        The ``AppState`` the lifespan created.
-    """
-    state: AppState = request.app.state.sluice
-    return state
+__all__ = ["create_app"]
 
 
 class _BodyLimit:
@@ -145,9 +121,6 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def _mount(app: FastAPI) -> None:
-    # Imported here so a wire module's import error names its own route, not app construction.
-    from services.api.routes import chat, health, messages, models, native, responses
-
     guarded = [Depends(authenticate)]
     app.include_router(health.router)
     for module in (native, models, chat, responses, messages):

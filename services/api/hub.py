@@ -1,17 +1,17 @@
 """The stream hub: one blocking XREAD per API process serves every live request stream.
 
-A blocked XREAD holds its connection, so a connection per SSE client would cost one Redis client
-per stream and one round trip per event (redis-arq.md §2.5). Instead a single reader task runs
-``XREAD BLOCK <ms> COUNT <n> STREAMS k1 … kN wake id1 … idN wake_id`` with explicit last ids
-(never ``$``), and fans entries out to per-subscriber buffers. A new subscription must not wait
-for the block to time out, so ``subscribe`` XADDs to the hub's private wake stream, which is part
-of every call and makes the blocked XREAD return at once.
+A blocked XREAD holds its connection (Redis answers one command at a time per connection), so a
+connection per SSE client would cost one Redis client per stream and one round trip per event.
+Instead a single reader task runs ``XREAD BLOCK <ms> COUNT <n> STREAMS k1 … kN wake id1 … idN
+wake_id`` with explicit last ids (never ``$``), and fans entries out to per-subscriber buffers. A
+new subscription must not wait for the block to time out, so ``subscribe`` XADDs to the hub's
+private wake stream, which is part of every call and makes the blocked XREAD return at once.
 
-Back-pressure: a subscriber whose buffer passes ``high_water`` is paused; its key drops out of
-the XREAD (unless another subscriber of the same key is keeping up) and its cursor stays where it
-was, so a slow client costs nothing but its own buffer and never stalls anyone else. When it
-drains below ``low_water`` it resumes from its cursor. Because the stream is a durable log,
-a lost Redis connection is retried from the same cursors without losing or repeating entries.
+Back-pressure: a subscriber whose buffer passes ``high_water`` is paused; its key drops out of the
+XREAD (unless another subscriber of the same key is keeping up) and its cursor stays where it was,
+so a slow client costs nothing but its own buffer and never stalls anyone else. When it drains
+below ``low_water`` it resumes from its cursor. Because the stream is a durable log, a lost Redis
+connection is retried from the same cursors without losing or repeating entries.
 
 This module owns no key names beyond the wake stream and never decodes events.
 """
@@ -104,13 +104,7 @@ class Subscription:
         self._ready.set()
 
     async def get(self, wait_s: float | None = None) -> Entry | None:
-        """Wait for the next entry.
-
-        Args:
-            wait_s: seconds to wait; None waits forever.
-
-        Returns:
-            The next ``(entry_id, fields)``, or None when ``wait_s`` passed without one.
+        """The next ``(entry_id, fields)``, or None when ``wait_s`` (None: forever) passed first.
 
         Raises:
             HubClosed: the hub stopped.

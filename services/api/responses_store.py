@@ -6,36 +6,31 @@ truth: until the record holds a final object, reading it folds the log and rende
 same code as a non-streaming answer, and the first read that sees the terminal event writes the
 final object back. It also rebuilds a stored conversation for ``previous_response_id`` from the
 stored request job and the stored output. Only the key that created a response can see it; to
-everyone else it does not exist (404, never 403, so ids cannot be probed).
+everyone else it does not exist: ``RESPONSES`` is read through ``ownership.load_owned``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
-from services.api.submit import cancel, load_job
-from services.api.wire.openai_responses import render
-from services.api.wire.openai_responses_items import items_to_messages
-from services.api.wire.openai_responses_types import Response
+from services.api.ownership import REQUESTS, Stored, load_owned
+from services.api.state import AppState
+from services.api.submit import cancel
+from services.api.wire.openai_responses import Response, items_to_messages, render
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry
-from shared.errors import InvalidRequest, NotFound, PermissionDenied
+from shared.errors import InvalidRequest, NotFound
 from shared.events import AnyEvent, is_terminal
 from shared.jobs import Message
 
-if TYPE_CHECKING:
-    from services.api.app import AppState
-
 __all__ = [
+    "RESPONSES",
     "StoredResponse",
     "conversation",
     "current",
     "delete",
     "events",
-    "load",
     "save",
 ]
 
@@ -68,26 +63,20 @@ async def save(state: AppState, owner: str, skeleton: Response) -> None:
     )
 
 
-async def load(state: AppState, rid: str, owner: str) -> StoredResponse:
-    """Load a stored response for its owner.
-
-    Args:
-        state: the app state.
-        rid: the response id.
-        owner: the caller's owner id.
-
-    Returns:
-        The record.
-
-    Raises:
-        NotFound: no such response, deleted, expired, stored with ``store: false``, or created
-            by another key.
-    """
+async def _read(state: AppState, rid: str) -> tuple[str, StoredResponse] | None:
     raw = await state.redis.get(keys.response(rid))
-    record = _DECODER.decode(raw) if raw is not None else None
-    if record is None or record.owner != owner:
-        raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
-    return record
+    if raw is None:  # never stored (``store: false``), deleted or expired
+        return None
+    record = _DECODER.decode(raw)
+    return record.owner, record
+
+
+def _no_response(rid: str) -> NotFound:
+    return NotFound(f"Response with id '{rid}' not found.", param="response_id")
+
+
+RESPONSES: Stored[StoredResponse] = Stored(read=_read, missing=_no_response)
+"""The stored Responses record (``sluice:response:{rid}``), for ``ownership.load_owned``."""
 
 
 async def events(state: AppState, rid: str) -> list[AnyEvent]:
@@ -127,20 +116,16 @@ async def current(state: AppState, record: StoredResponse) -> Response:
     return response
 
 
-async def delete(state: AppState, rid: str, owner: str) -> None:
+async def delete(state: AppState, record: StoredResponse) -> None:
     """Delete a stored response; a finished one takes its event log and request with it.
 
     An unfinished one is cancelled; its log and request expire with the retention period.
 
     Args:
         state: the app state.
-        rid: the response id.
-        owner: the caller's owner id.
-
-    Raises:
-        NotFound: as for ``load``.
+        record: the record, as its owner loaded it.
     """
-    record = await load(state, rid, owner)
+    rid = record.skeleton.id
     response = await current(state, record)
     doomed = [keys.response(rid)]
     if response.status in _FINAL:
@@ -169,11 +154,11 @@ async def conversation(state: AppState, rid: str, owner: str) -> list[Message]:
         The turns, oldest first.
 
     Raises:
-        NotFound: as for ``load``, or the request behind it has expired.
+        NotFound: no such response for this owner, or the request behind it has expired.
         InvalidRequest: the previous response is still being generated.
     """
     try:
-        record = await load(state, rid, owner)
+        record = await load_owned(state, RESPONSES, rid, owner)
     except NotFound as exc:
         raise NotFound(
             f"Previous response with id '{rid}' not found.", param="previous_response_id"
@@ -184,8 +169,8 @@ async def conversation(state: AppState, rid: str, owner: str) -> list[Message]:
             f"Previous response '{rid}' is still in progress", param="previous_response_id"
         )
     try:
-        job = await load_job(state, rid, owner)
-    except (NotFound, PermissionDenied) as exc:  # expired, or (as for load) another owner's
+        job = await load_owned(state, REQUESTS, rid, owner)
+    except NotFound as exc:  # expired before the response record
         raise NotFound(
             f"Previous response with id '{rid}' not found.", param="previous_response_id"
         ) from exc

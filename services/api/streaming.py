@@ -8,7 +8,7 @@ keepalives; when the client goes away it raises the cancel flag (after a short g
 reconnects); and nothing raises past the SSE boundary once headers are out: a failure becomes
 the projector's own in-band error frame. Entries that piled up for a slow client leave in one
 write (``get_batch``), so an overloaded process spends fewer syscalls exactly when it must.
-``collect`` is the non-streaming twin (events until terminal, cancel on disconnect).
+``collect_events`` is the non-streaming twin (events until terminal, cancel on disconnect).
 Until a request's first event arrives, the wait is also bounded by ``start_timeout_s`` from its
 creation; past it, ``start_timeout.claim_unstarted`` ends the request with a retryable
 ``Error(overloaded)`` unless a worker holds it, and that Error reaches every watcher through the
@@ -22,24 +22,22 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from services.api import sse
 from services.api.start_timeout import claim_unstarted, start_deadline
+from services.api.state import AppState
 from services.api.submit import cancel
+from services.api.wire import sse
 from shared import keys
 from shared.codec import decode_entry
 from shared.errors import ProtocolError
 from shared.events import AnyEvent, Error, is_terminal
 
-if TYPE_CHECKING:
-    from services.api.app import AppState
-
-__all__ = ["Projector", "collect", "sse_response", "tail"]
+__all__ = ["Projector", "collect_events", "sse_response", "tail"]
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +198,7 @@ def sse_response(
 
     Args:
         state: the app state.
-        request: the HTTP request (kept for symmetry with ``collect``; disconnects are seen
+        request: the HTTP request (kept for symmetry with ``collect_events``; disconnects are seen
             by Starlette, which cancels the body iterator).
         rid: the request id.
         projector: the wire format's projector.
@@ -228,7 +226,7 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def collect(state: AppState, request: Request, rid: str) -> list[AnyEvent]:
+async def collect_events(state: AppState, request: Request, rid: str) -> list[AnyEvent]:
     """Gather a request's events until the terminal one, for a non-streaming response.
 
     Args:

@@ -17,22 +17,20 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from shared import keys
-from shared.codec import decode_job, encode_job
+from shared.codec import encode_job
 from shared.errors import (
     ContextOverflow,
     InvalidRequest,
-    NotFound,
     NoWorker,
-    PermissionDenied,
     RateLimited,
 )
 from shared.jobs import GenerateRequest, Job
 from shared.protocol import JOB_FUNCTION
 
 if TYPE_CHECKING:
-    from services.api.app import AppState
+    from services.api.state import AppState
 
-__all__ = ["cancel", "load_job", "new_request_id", "submit"]
+__all__ = ["cancel", "new_request_id", "submit"]
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -122,30 +120,6 @@ async def _store(state: AppState, job: Job) -> None:
         pipe.expire(keys.request(job.request_id), retention)
         pipe.zadd(keys.inflight(job.model), {job.request_id: int(job.created * 1000)})
         await pipe.execute()
-
-
-async def load_job(state: AppState, rid: str, owner: str) -> GenerateRequest:
-    """Load a stored request for its owner.
-
-    Args:
-        state: the app state.
-        rid: the request id.
-        owner: the caller's owner id.
-
-    Returns:
-        The job as it was enqueued.
-
-    Raises:
-        NotFound: no such request (or its retention expired).
-        PermissionDenied: another key created it.
-    """
-    fields = await state.redis.hmget(keys.request(rid), ["owner", "job"])  # type: ignore[misc]
-    stored_owner, payload = fields[0], fields[1]
-    if payload is None:
-        raise NotFound(f"no request with id '{rid}'", param="id")
-    if (stored_owner or b"").decode() != owner:
-        raise PermissionDenied("this request was created with another API key")
-    return decode_job(payload)
 
 
 async def cancel(state: AppState, rid: str) -> None:

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import msgspec
 import pytest
 from anthropic.types import Message
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from services.api.sse import MEDIA_TYPE
-from services.api.wire.anthropic_messages import MessageContext, render
+from services.api.wire.anthropic_messages import Context as MessageContext, render
+from services.api.wire.sse import MEDIA_TYPE
 from shared.accumulate import fold
 from shared.events import Error
 from tests.conformance.transcript_server import serve_post
@@ -38,7 +39,8 @@ async def _messages(request: Request) -> Response:
     name = body["metadata"]["script"]
     if body.get("stream"):
         return Response((GOLDEN / f"{name}.sse").read_bytes(), media_type=MEDIA_TYPE)
-    return JSONResponse(render(fold(SCENARIOS[name]()), CTX))
+    body = msgspec.json.encode(render(fold(SCENARIOS[name]()), CTX))
+    return Response(body, media_type="application/json")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,8 @@ def request(name: str) -> dict[str, Any]:
 def expected(name: str) -> dict[str, Any]:
     events = SCENARIOS[name]()
     check_stream(events)
-    return Message.model_validate(render(fold(events), CTX)).model_dump(exclude_none=True)
+    message = msgspec.to_builtins(render(fold(events), CTX))
+    return Message.model_validate(message).model_dump(exclude_none=True)
 
 
 @pytest.mark.parametrize("name", FINISHED)

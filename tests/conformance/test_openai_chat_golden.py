@@ -18,9 +18,10 @@ from openai.types.chat import ChatCompletion
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.api.errors import openai_error_body
-from services.api.sse import comment
-from services.api.wire.openai_chat import error_from_event, render
+from services.api.wire.common import service_error as error_from_event
+from services.api.wire.openai_chat import render
+from services.api.wire.openai_errors import error_body as openai_error_body
+from services.api.wire.sse import comment
 from shared.accumulate import fold
 from shared.events import Error
 from tests.conformance.transcript_server import serve_post

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.api.sse import encode
 from services.api.streaming import Projector
+from services.api.wire.sse import encode
 from shared.events import AnyEvent
 
 __all__ = ["assert_golden", "project"]

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from services.api.wire.anthropic_messages import AnthropicProjector, MessageContext, render
+from services.api.wire.anthropic_messages import (
+    Context as MessageContext,
+    Projector as AnthropicProjector,
+    render,
+)
 from shared.accumulate import fold
 from shared.events import AnyEvent, Error
 from tests.factories import SCENARIOS
@@ -51,4 +56,4 @@ def test_transcript_passes_strict_consumer_and_equals_render(name: str) -> None:
         assert failed.value.error["message"] == last.message
         assert failed.value.error["type"] in {"api_error", "overloaded_error"}
         return
-    assert strict_consume(parsed) == render(fold(events), CTX)
+    assert strict_consume(parsed) == msgspec.to_builtins(render(fold(events), CTX))

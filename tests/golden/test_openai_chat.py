@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.api.wire.openai_chat import ChatContext, ChatProjector
+from services.api.wire.openai_chat import Context as ChatContext, Projector as ChatProjector
 from shared.events import AnyEvent, ReasoningDelta
 from tests.factories import SCENARIOS
 from tests.golden.golden_io import assert_golden, project

@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from services.api.wire.openai_responses import ResponsesContext, ResponsesProjector
-from services.api.wire.openai_responses_request import parse_request, skeleton
-from services.api.wire.openai_responses_types import Response
+from services.api.wire.openai_responses import (
+    Context as ResponsesContext,
+    Projector as ResponsesProjector,
+    Response,
+    parse_request,
+    skeleton,
+)
 from shared.events import AnyEvent
 from tests.factories import SCENARIOS
 from tests.golden.golden_io import assert_golden, project

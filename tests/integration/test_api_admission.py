@@ -166,7 +166,7 @@ async def test_auth(keyed_api: str, redis: aioredis.Redis, tiny_model: ModelCard
     assert anth.status_code == 401 and anth.json()["error"]["type"] == "authentication_error"
     assert health.status_code == 200
     assert bearer.status_code == 200 and own.status_code == 200
-    assert other.status_code == 403 and other.json()["error"]["type"] == "permission_error"
+    assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
     owner = await redis.hget(keys.request(rid), "owner")  # type: ignore[misc]
     assert owner is not None and b"key-a" not in owner and len(owner) == 64
 

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from services.api.wire.openai_chat import ChatContext, render
+from services.api.wire.openai_chat import Context as ChatContext, render
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry

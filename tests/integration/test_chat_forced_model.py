@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import torch
 from openai.types.chat import ChatCompletion
 
-from services.api.wire.openai_chat import ChatContext, render
+from services.api.wire.openai_chat import Context as ChatContext, render
 from services.worker.main import start_worker
 from services.worker.torch_backend import TorchBackend
 from shared import keys

@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 from anthropic.types import Message
 
-from services.api.wire.anthropic_messages import MessageContext, render
+from services.api.wire.anthropic_messages import Context as MessageContext, render
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry, decode_job

@@ -1,7 +1,7 @@
 """OpenAI Chat Completions routes: create, and (from the event log) retrieve and resume.
 
-Thin: parse (``wire.openai_chat_request``), submit, then stream through the shared pipeline or
-render the fold of the same events (``wire.openai_chat``). Authentication already ran as the
+Thin: parse (``wire.openai_chat``), submit, then stream through the shared pipeline or render
+the fold of the same events. Authentication already ran as the
 router's dependency. Because every answer is a durable event log, ``GET
 /v1/chat/completions/{id}`` returns a request's ``chat.completion`` (the openai SDK's
 ``chat.completions.retrieve``; it waits if still generating) and ``GET
@@ -14,13 +14,14 @@ from __future__ import annotations
 import msgspec
 from fastapi import APIRouter, Request, Response
 
-from services.api.app import AppState, get_state
 from services.api.auth import authenticate
+from services.api.ownership import REQUESTS, load_owned
 from services.api.replay import catch_up
-from services.api.streaming import collect, sse_response
-from services.api.submit import load_job, new_request_id, submit
-from services.api.wire.openai_chat import ChatContext, ChatProjector, error_from_event, render
-from services.api.wire.openai_chat_request import parse_chat_request
+from services.api.state import AppState, get_state
+from services.api.streaming import collect_events, sse_response
+from services.api.submit import new_request_id, submit
+from services.api.wire import openai_chat
+from services.api.wire.common import service_error
 from shared.accumulate import fold
 from shared.jobs import GenerateRequest
 
@@ -31,8 +32,8 @@ router = APIRouter()
 _TRUTHY = {"1", "true", "yes", "on"}
 
 
-def _context(state: AppState, job: GenerateRequest, *, include_usage: bool) -> ChatContext:
-    return ChatContext(
+def _context(state: AppState, job: GenerateRequest, *, include_usage: bool) -> openai_chat.Context:
+    return openai_chat.Context(
         id=job.request_id,
         created=int(job.created),
         model=job.model,
@@ -43,11 +44,11 @@ def _context(state: AppState, job: GenerateRequest, *, include_usage: bool) -> C
     )
 
 
-async def _completion(state: AppState, request: Request, ctx: ChatContext) -> Response:
-    completion = fold(await collect(state, request, ctx.id))
+async def _completion(state: AppState, request: Request, ctx: openai_chat.Context) -> Response:
+    completion = fold(await collect_events(state, request, ctx.id))
     if completion.error is not None:
-        raise error_from_event(completion.error)
-    body = msgspec.json.encode(render(completion, ctx))
+        raise service_error(completion.error)
+    body = msgspec.json.encode(openai_chat.render(completion, ctx))
     return Response(body, media_type="application/json", headers={"x-request-id": ctx.id})
 
 
@@ -55,7 +56,7 @@ async def _completion(state: AppState, request: Request, ctx: ChatContext) -> Re
 async def create_chat_completion(request: Request) -> Response:
     """Create a chat completion, streamed (SSE chunks) or not."""
     state = get_state(request)
-    parsed = parse_chat_request(
+    parsed = openai_chat.parse_request(
         await request.body(),
         request_id=new_request_id("chatcmpl"),
         include_reasoning_header=request.headers.get("x-include-reasoning", "").lower() in _TRUTHY,
@@ -65,14 +66,14 @@ async def create_chat_completion(request: Request) -> Response:
     if not parsed.options.stream:
         return await _completion(state, request, ctx)
     headers = {"x-request-id": job.request_id}
-    return sse_response(state, request, job.request_id, ChatProjector(ctx), headers=headers)
+    return sse_response(state, request, job.request_id, openai_chat.Projector(ctx), headers=headers)
 
 
 @router.get("/v1/chat/completions/{rid}")
 async def retrieve_chat_completion(rid: str, request: Request) -> Response:
     """The ``chat.completion`` of a stored request (waits for the end if still generating)."""
     state = get_state(request)
-    job = await load_job(state, rid, await authenticate(request))
+    job = await load_owned(state, REQUESTS, rid, await authenticate(request))
     return await _completion(state, request, _context(state, job, include_usage=True))
 
 
@@ -80,9 +81,9 @@ async def retrieve_chat_completion(rid: str, request: Request) -> Response:
 async def replay_chat_completion(rid: str, request: Request) -> Response:
     """Re-stream a stored request as chunks, from the start or after ``Last-Event-ID``."""
     state = get_state(request)
-    job = await load_job(state, rid, await authenticate(request))
+    job = await load_owned(state, REQUESTS, rid, await authenticate(request))
     usage = request.query_params.get("include_usage", "").lower() in _TRUTHY
-    projector = ChatProjector(_context(state, job, include_usage=usage))
+    projector = openai_chat.Projector(_context(state, job, include_usage=usage))
     # Caught up, the role and each tool call's id/name are not sent twice (the SDK would
     # concatenate them).
     after = await catch_up(state, request, rid, projector)

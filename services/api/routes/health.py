@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from services.api.app import get_state
+from services.api.state import get_state
 
 __all__ = ["router"]
 

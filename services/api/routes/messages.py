@@ -1,12 +1,12 @@
 """Anthropic Messages routes: create, count tokens, and (a sluice extension) replay.
 
-Thin: parse (``wire.anthropic_messages_request``), submit, then stream through the shared
-pipeline or render the fold of the same events (``wire.anthropic_messages``). Query strings
-such as Claude Code's ``?beta=true`` and any ``anthropic-version``/``anthropic-beta`` headers are
-ignored; errors leave through the app's handlers in Anthropic's envelope. Because every answer
-is a durable event log, ``GET /v1/messages/{id}`` and ``GET /v1/messages/{id}/events`` re-project
-any request the caller's key created (in any format) as an Anthropic message or stream, and the
-latter resumes after ``Last-Event-ID``.
+Thin: parse (``wire.anthropic_messages``), submit, then stream through the shared pipeline or render
+the fold of the same events. Query strings such as Claude Code's ``?beta=true`` and any
+``anthropic-version``/``anthropic-beta`` headers are ignored; errors leave through the app's
+handlers in Anthropic's envelope. Because every answer is a durable event log, ``GET
+/v1/messages/{id}`` and ``GET /v1/messages/{id}/events`` re-project any request the caller's key
+created (in any format) as an Anthropic message or stream, and the latter resumes after
+``Last-Event-ID``.
 """
 
 from __future__ import annotations
@@ -16,24 +16,28 @@ import asyncio
 import msgspec
 from fastapi import APIRouter, Request, Response
 
-from services.api.app import AppState, get_state
 from services.api.auth import authenticate
+from services.api.ownership import REQUESTS, load_owned
 from services.api.replay import catch_up
-from services.api.streaming import collect, sse_response
-from services.api.submit import load_job, new_request_id, submit
-from services.api.wire.anthropic_messages import PING, AnthropicProjector, MessageContext, render
-from services.api.wire.anthropic_messages_request import (
-    build_job,
-    parse_count_tokens_request,
-    parse_messages_request,
-)
+from services.api.state import AppState, get_state
+from services.api.streaming import collect_events, sse_response
+from services.api.submit import new_request_id, submit
+from services.api.wire import anthropic_messages
 from shared.accumulate import fold
 from shared.errors import InvalidRequest
+from shared.jobs import GenerateRequest
 
 __all__ = ["router"]
 
 router = APIRouter()
 _JSON = msgspec.json.Encoder()
+_PING = anthropic_messages.PING
+
+
+def _context(job: GenerateRequest) -> anthropic_messages.Context:
+    return anthropic_messages.Context(
+        message_id=job.request_id, model=job.model, show_thinking=job.reasoning.visible
+    )
 
 
 @router.post("/v1/messages")
@@ -41,16 +45,16 @@ async def create_message(request: Request) -> Response:
     """Create a message, streamed as Anthropic SSE when ``stream`` is true."""
     state = get_state(request)
     owner = await authenticate(request)
-    req = parse_messages_request(await request.body())
-    job = await submit(state, build_job(req, request_id=new_request_id("msg")), owner=owner)
-    rid = job.request_id
-    ctx = MessageContext(message_id=rid, model=job.model, show_thinking=job.reasoning.visible)
+    req = anthropic_messages.parse_request(await request.body())
+    job = anthropic_messages.build_job(req, request_id=new_request_id("msg"))
+    job = await submit(state, job, owner=owner)
+    rid, ctx = job.request_id, _context(job)
     headers = {"request-id": rid}
     if req.stream:
-        projector = AnthropicProjector(ctx)
-        return sse_response(state, request, rid, projector, keepalive=PING, headers=headers)
-    events = await collect(state, request, rid)
-    body = render(fold(events), ctx)
+        projector = anthropic_messages.Projector(ctx)
+        return sse_response(state, request, rid, projector, keepalive=_PING, headers=headers)
+    events = await collect_events(state, request, rid)
+    body = anthropic_messages.render(fold(events), ctx)
     return Response(_JSON.encode(body), media_type="application/json", headers=headers)
 
 
@@ -64,9 +68,9 @@ async def probe() -> Response:
 async def count_tokens(request: Request) -> Response:
     """Count the prompt tokens a request renders to, with the model's template and tokenizer."""
     state = get_state(request)
-    req = parse_count_tokens_request(await request.body())
+    req = anthropic_messages.parse_count_tokens_request(await request.body())
     loaded = await state.cards.get(req.model)
-    job = build_job(req, request_id=new_request_id("msg"))
+    job = anthropic_messages.build_job(req, request_id=new_request_id("msg"))
     try:
         count = await asyncio.to_thread(loaded.renderer.count_tokens, job)
     except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
@@ -74,9 +78,8 @@ async def count_tokens(request: Request) -> Response:
     return Response(_JSON.encode({"input_tokens": count}), media_type="application/json")
 
 
-async def _stored(state: AppState, request: Request, rid: str) -> MessageContext:
-    job = await load_job(state, rid, await authenticate(request))
-    return MessageContext(message_id=rid, model=job.model, show_thinking=job.reasoning.visible)
+async def _stored(state: AppState, request: Request, rid: str) -> anthropic_messages.Context:
+    return _context(await load_owned(state, REQUESTS, rid, await authenticate(request)))
 
 
 @router.get("/v1/messages/{rid}")
@@ -84,7 +87,7 @@ async def retrieve_message(rid: str, request: Request) -> Response:
     """The finished message of a stored request (waits for the end if still generating)."""
     state = get_state(request)
     ctx = await _stored(state, request, rid)
-    body = render(fold(await collect(state, request, rid)), ctx)
+    body = anthropic_messages.render(fold(await collect_events(state, request, rid)), ctx)
     return Response(_JSON.encode(body), media_type="application/json", headers={"request-id": rid})
 
 
@@ -93,11 +96,11 @@ async def replay_message(rid: str, request: Request) -> Response:
     """Stream a stored request as Anthropic SSE, from the start or after ``Last-Event-ID``."""
     state = get_state(request)
     ctx = await _stored(state, request, rid)
-    projector = AnthropicProjector(ctx)
+    projector = anthropic_messages.Projector(ctx)
     # Caught up, block indexes and the single message_start continue exactly where the
     # interrupted stream stopped.
     after = await catch_up(state, request, rid, projector)
     headers = {"request-id": rid}
     return sse_response(
-        state, request, rid, projector, after=after, keepalive=PING, headers=headers
+        state, request, rid, projector, after=after, keepalive=_PING, headers=headers
     )

@@ -1,7 +1,7 @@
 """``GET /v1/models`` and ``/v1/models/{id}``: the models a live worker serves.
 
-One body serves both SDK families (wire-formats.md §5): OpenAI's list (``object``, ``created``,
-``owned_by``) and Anthropic's (``type``, ``display_name``, ``created_at`` in RFC 3339,
+One body serves both SDK families, since both call ``GET /v1/models``: OpenAI's list (``object``,
+``created``, ``owned_by``) and Anthropic's (``type``, ``display_name``, ``created_at`` in RFC 3339,
 ``has_more``/``first_id``/``last_id``, ``limit``/``after_id``/``before_id`` paging).
 """
 
@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from services.api.app import get_state
+from services.api.state import get_state
 from shared.errors import InvalidRequest, ModelNotFound
 from shared.model_card import ModelCard
 

@@ -12,12 +12,13 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from services.api import sse
-from services.api.app import get_state
 from services.api.auth import authenticate
 from services.api.hub import parse_id
+from services.api.ownership import REQUESTS, load_owned
+from services.api.state import get_state
 from services.api.streaming import sse_response
-from services.api.submit import cancel, load_job, new_request_id, submit
+from services.api.submit import cancel, new_request_id, submit
+from services.api.wire import sse
 from shared.errors import InvalidRequest
 from shared.events import AnyEvent
 from shared.jobs import GenerateRequest
@@ -91,7 +92,7 @@ def _resume_id(request: Request) -> str:
 async def stream_events(rid: str, request: Request) -> StreamingResponse:
     """Stream the request's events as SSE from the start, or after ``Last-Event-ID``/``after``."""
     state = get_state(request)
-    await load_job(state, rid, await authenticate(request))
+    await load_owned(state, REQUESTS, rid, await authenticate(request))
     return sse_response(state, request, rid, NativeProjector(), after=_resume_id(request))
 
 
@@ -99,6 +100,6 @@ async def stream_events(rid: str, request: Request) -> StreamingResponse:
 async def cancel_request(rid: str, request: Request) -> Response:
     """Ask the worker to stop; the stream then ends with ``Finish(cancelled)``."""
     state = get_state(request)
-    await load_job(state, rid, await authenticate(request))
+    await load_owned(state, REQUESTS, rid, await authenticate(request))
     await cancel(state, rid)
     return Response(_JSON.encode({"id": rid, "cancelled": True}), media_type="application/json")

@@ -1,9 +1,8 @@
 """``/v1/responses``: create (stream, not, or background), retrieve (or re-stream), delete, cancel.
 
-Thin: authentication already ran as the router's dependency; parsing lives in
-``wire.openai_responses_request``, projection in ``wire.openai_responses``, storage in
-``responses_store``. The response id (``resp_...``) is the request id, so the event log, the
-request hash and the stored response share it.
+Thin: authentication already ran as the router's dependency; parsing and projection live in
+``wire.openai_responses``, storage in ``responses_store``. The response id (``resp_...``) is the
+request id, so the event log, the request hash and the stored response share it.
 """
 
 from __future__ import annotations
@@ -15,22 +14,13 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from services.api import responses_store
-from services.api.app import get_state
 from services.api.auth import authenticate
-from services.api.streaming import collect, sse_response, tail
+from services.api.ownership import load_owned
+from services.api.state import get_state
+from services.api.streaming import collect_events, sse_response, tail
 from services.api.submit import cancel, new_request_id, submit
-from services.api.wire.openai_responses import (
-    ResponsesContext,
-    ResponsesProjector,
-    error_from_event,
-    render,
-)
-from services.api.wire.openai_responses_request import (
-    build_job,
-    input_messages,
-    parse_request,
-    skeleton,
-)
+from services.api.wire import openai_responses
+from services.api.wire.common import service_error
 from shared.accumulate import fold
 from shared.errors import InvalidRequest
 
@@ -52,14 +42,18 @@ async def create_response(request: Request) -> Response:
     """Create a response (OpenAI Responses wire format)."""
     state = get_state(request)
     owner = await authenticate(request)
-    req = parse_request(await request.body())
+    req = openai_responses.parse_request(await request.body())
     rid = new_request_id("resp")
     history = []
     if req.previous_response_id is not None:
         history = await responses_store.conversation(state, req.previous_response_id, owner)
-    conversation = input_messages(req, history)
-    job = build_job(req, request_id=rid, conversation=conversation, owner=owner, created=0.0)
-    echo = skeleton(req, rid, 0)  # built before submit: every check passes before enqueueing
+    conversation = openai_responses.input_messages(req, history)
+    job = openai_responses.build_job(
+        req, request_id=rid, conversation=conversation, owner=owner, created=0.0
+    )
+    echo = openai_responses.skeleton(
+        req, rid, 0
+    )  # built before submit: every check passes before enqueueing
     job = await submit(state, job, owner=owner)
     echo = msgspec.structs.replace(echo, created_at=int(job.created))
     if echo.store:
@@ -67,12 +61,12 @@ async def create_response(request: Request) -> Response:
     if echo.background:  # generation goes on without this connection; GET reads it later
         return _json(msgspec.structs.replace(echo, status="queued"), rid)
     if req.stream:
-        projector = ResponsesProjector(ResponsesContext(skeleton=echo))
+        projector = openai_responses.Projector(openai_responses.Context(skeleton=echo))
         return sse_response(state, request, rid, projector, headers={"x-request-id": rid})
-    completion = fold(await collect(state, request, rid))
+    completion = fold(await collect_events(state, request, rid))
     if completion.error is not None and completion.start is None:
-        raise error_from_event(completion.error)  # rejected before generation: an HTTP error
-    return _json(render(completion, echo), rid)
+        raise service_error(completion.error)  # rejected before generation: an HTTP error
+    return _json(openai_responses.render(completion, echo), rid)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -81,10 +75,11 @@ async def retrieve_response(
 ) -> Response:
     """Retrieve a stored response, or re-stream its events after ``starting_after``."""
     state = get_state(request)
-    record = await responses_store.load(state, response_id, await authenticate(request))
+    owner = await authenticate(request)
+    record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
     if stream:
-        ctx = ResponsesContext(skeleton=record.skeleton, starting_after=starting_after)
-        projector = ResponsesProjector(ctx)
+        ctx = openai_responses.Context(skeleton=record.skeleton, starting_after=starting_after)
+        projector = openai_responses.Projector(ctx)
         headers = {"x-request-id": response_id}
         # An observer leaving (e.g. of a background response) must not stop the generation.
         return sse_response(
@@ -97,7 +92,9 @@ async def retrieve_response(
 async def delete_response(request: Request, response_id: str) -> Response:
     """Delete a stored response."""
     state = get_state(request)
-    await responses_store.delete(state, response_id, await authenticate(request))
+    owner = await authenticate(request)
+    record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
+    await responses_store.delete(state, record)
     return _json({"id": response_id, "object": "response", "deleted": True}, response_id)
 
 
@@ -105,7 +102,8 @@ async def delete_response(request: Request, response_id: str) -> Response:
 async def cancel_response(request: Request, response_id: str) -> Response:
     """Cancel an in-progress response; returns it once the worker has stopped (or as it is)."""
     state = get_state(request)
-    record = await responses_store.load(state, response_id, await authenticate(request))
+    owner = await authenticate(request)
+    record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
     response = await responses_store.current(state, record)
     if response.status != "in_progress":
         raise InvalidRequest(f"Cannot cancel a response with status '{response.status}'")

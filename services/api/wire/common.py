@@ -4,7 +4,8 @@ Owns what is the same rule in every format: the JSON object alias, the reasoning
 vocabulary and its validation, reading the offending path out of a msgspec validation message,
 decoding a body into a request Struct with a client error (never FastAPI's 422) for bad JSON,
 range checks on sampling knobs, and which exception a terminal ``Error`` event becomes when
-nothing has been sent yet. Each format keeps its own Structs, messages and defaults.
+nothing has been sent yet (``service_error``, the one mapping every format's non-streaming path
+raises). Each format keeps its own Structs, messages, defaults and error envelope.
 """
 
 from __future__ import annotations

@@ -6,15 +6,16 @@ import itertools
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from services.api import sse
-from services.api.errors import anthropic_error_body
+from services.api.wire import sse
 from services.api.wire.anthropic_messages import (
     PING,
-    AnthropicProjector,
-    MessageContext,
+    Context as MessageContext,
+    Projector as AnthropicProjector,
+    error_body as anthropic_error_body,
     render as render_message,
     service_error,
     tool_use_id,
@@ -51,7 +52,9 @@ def project(events: list[AnyEvent], ctx: MessageContext = CTX) -> list[tuple[str
 
 
 def render(completion: Completion, ctx: MessageContext) -> dict[str, Any]:
-    return render_message(completion, ctx)
+    """The rendered message as the JSON object a client decodes."""
+    message: dict[str, Any] = msgspec.to_builtins(render_message(completion, ctx))
+    return message
 
 
 def shape(frames: list[tuple[str | None, Any]]) -> list[str]:

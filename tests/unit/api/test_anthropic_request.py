@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from services.api.wire.anthropic_messages_request import (
+from services.api.wire.anthropic_messages import (
     build_job,
     parse_count_tokens_request,
-    parse_messages_request,
+    parse_request as parse_messages_request,
 )
 from shared.errors import InvalidRequest
 from shared.jobs import GenerateRequest, Message, ReasoningControl, TextPart, ToolCall, ToolChoice

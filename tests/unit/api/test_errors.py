@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.api.errors import anthropic_error_body, openai_error_body
+from services.api.wire.anthropic_messages import error_body as anthropic_error_body
+from services.api.wire.openai_errors import error_body as openai_error_body
 from shared.errors import (
     AuthenticationFailed,
     ContextOverflow,

@@ -7,14 +7,14 @@ import json
 import msgspec
 import pytest
 
-from services.api.sse import Frame
+from services.api.wire.common import service_error as error_from_event
 from services.api.wire.openai_chat import (
-    ChatContext,
-    ChatProjector,
-    ReasoningField,
-    error_from_event,
+    Context as ChatContext,
+    Projector as ChatProjector,
     render,
 )
+from services.api.wire.openai_chat.types import ReasoningField
+from services.api.wire.sse import Frame
 from shared.accumulate import fold
 from shared.errors import ContextOverflow, InvalidRequest, Overloaded, ServiceError, WorkerLost
 from shared.events import (

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.api.wire.openai_chat_request import ParsedChat, parse_chat_request
+from services.api.wire.openai_chat import ParsedChat, parse_request as parse_chat_request
 from shared.errors import InvalidRequest
 from shared.jobs import Message, ReasoningControl, TextPart, ToolCall, ToolChoice, ToolDef
 

@@ -8,14 +8,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from services.api.sse import encode
+from services.api.wire.common import service_error as error_from_event
 from services.api.wire.openai_responses import (
-    ResponsesContext,
-    ResponsesProjector,
-    error_from_event,
+    Context as ResponsesContext,
+    Projector as ResponsesProjector,
+    parse_request,
     render,
+    skeleton,
 )
-from services.api.wire.openai_responses_request import parse_request, skeleton
+from services.api.wire.sse import encode
 from shared.accumulate import fold
 from shared.errors import Overloaded
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, TokenLogprob, TopLogprob, Usage

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from services.api.wire.openai_responses_items import items_to_messages
-from services.api.wire.openai_responses_request import (
+from services.api.wire.openai_responses import (
     build_job,
     input_messages,
+    items_to_messages,
     parse_request,
     skeleton,
 )
-from services.api.wire.openai_responses_types import ToolChoiceFunction
+from services.api.wire.openai_responses.types import ToolChoiceFunction
 from shared.errors import InvalidRequest
 from shared.jobs import GenerateRequest, Message, TextPart, ToolCall
 

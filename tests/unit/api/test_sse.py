@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.api import sse
+from services.api.wire import sse
 
 
 def parse(raw: bytes) -> list[dict[str, str]]:

@@ -1,8 +1,8 @@
 """Anthropic Messages request-body Structs: content blocks, tools, thinking and the body.
 
-Owns the inbound wire shapes only (wire-formats.md §4.2, §4.3); ``anthropic_messages_request``
-decodes bodies into them, validates them and translates them into the canonical job. Unknown
-fields are accepted and ignored, as Anthropic's API does.
+Owns the inbound wire shapes only (those of the anthropic SDK's ``MessageCreateParams``);
+``request`` decodes bodies into them, validates them and translates them into the canonical job.
+Unknown fields are accepted and ignored, as Anthropic's API does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Server-Sent Events framing: the only place that writes ``data:``/``event:``/``id:`` lines.
 
 Projectors return ``Frame`` objects; the streaming pipeline encodes them here. Keepalives are SSE
-comments (lines starting with ``:``), which every SDK decoder ignores (wire-formats.md §1).
+comments (lines starting with ``:``), which every SDK decoder ignores, as the SSE specification
+says (https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation).
 """
 
 from __future__ import annotations

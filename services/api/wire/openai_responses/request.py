@@ -3,7 +3,7 @@
 Owns the request Struct, validation (every failure is ``InvalidRequest`` with the offending
 ``param``, never FastAPI's 422), the mapping of parameters onto ``GenerateRequest`` (tools,
 tool_choice, sampling, reasoning, limits) and their echo into the ``Response`` skeleton. Input
-items become turns in ``openai_responses_items``. No I/O: the route loads stored history (for
+items become turns in ``items``. No I/O: the route loads stored history (for
 ``previous_response_id``) and passes it in.
 """
 
@@ -15,8 +15,8 @@ from typing import Literal, cast
 import msgspec
 
 from services.api.wire.common import EFFORTS, JsonObject, reasoning_effort
-from services.api.wire.openai_responses_items import items_to_messages, validation_error
-from services.api.wire.openai_responses_types import (
+from services.api.wire.openai_responses.items import items_to_messages, validation_error
+from services.api.wire.openai_responses.types import (
     FunctionTool,
     ReasoningConfig,
     Response,

@@ -1,10 +1,11 @@
-"""Error envelopes per wire family, and the app's exception handlers.
+"""The app's exception handlers: every failure leaves in its wire family's error envelope.
 
-Every error a client sees leaves through here: ``ServiceError`` subclasses raised anywhere in a
-request, FastAPI's validation errors (never its 422 ``detail`` body), Starlette's 404/405, and
-unhandled exceptions. Paths under ``/v1/messages`` get Anthropic's envelope, everything else
-OpenAI's (wire-formats.md §2.10, §4.10, §7.5). Mid-stream errors are not handled here; after the
-headers are sent the projector's in-band error frame is the only channel.
+Every error a client sees before the headers leaves through here: ``ServiceError`` subclasses
+raised anywhere in a request, FastAPI's validation errors (never its 422 ``detail`` body),
+Starlette's 404/405, and unhandled exceptions. Paths under ``/v1/messages`` get Anthropic's
+envelope (``wire.anthropic_messages.errors``), everything else OpenAI's (``wire.openai_errors``),
+since each SDK only parses its own. Mid-stream errors are not handled here; after the headers
+are sent the projector's in-band error frame is the only channel.
 """
 
 from __future__ import annotations
@@ -17,92 +18,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from shared.errors import (
-    AuthenticationFailed,
-    ContextOverflow,
-    InvalidRequest,
-    ModelNotFound,
-    NotFound,
-    Overloaded,
-    PermissionDenied,
-    RateLimited,
-    RequestTooLarge,
-    ServiceError,
-)
+from services.api.wire import anthropic_messages, openai_errors
+from shared.errors import InvalidRequest, NotFound, ServiceError
 
-__all__ = [
-    "anthropic_error_body",
-    "error_response",
-    "install_error_handlers",
-    "openai_error_body",
-]
+__all__ = ["error_response", "install_error_handlers"]
 
 logger = logging.getLogger(__name__)
-
-# OpenAI (type, code) per error class; the code strings are the ones clients special-case
-# (Codex retries on rate_limit_exceeded, compacts on context_length_exceeded).
-_OPENAI: list[tuple[type[ServiceError], str, str | None]] = [
-    (ContextOverflow, "invalid_request_error", "context_length_exceeded"),
-    (InvalidRequest, "invalid_request_error", None),
-    (AuthenticationFailed, "invalid_request_error", "invalid_api_key"),
-    (PermissionDenied, "permission_error", "permission_denied"),
-    (ModelNotFound, "invalid_request_error", "model_not_found"),
-    (NotFound, "invalid_request_error", "not_found"),
-    (RequestTooLarge, "invalid_request_error", "request_too_large"),
-    (RateLimited, "rate_limit_error", "rate_limit_exceeded"),
-    (Overloaded, "service_unavailable_error", "overloaded"),
-]
-
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def _openai_kind(err: ServiceError, status: int) -> tuple[str, str | None]:
-    for cls, kind, code in _OPENAI:
-        if isinstance(err, cls):
-            return kind, code
-    return ("server_error" if status >= 500 else "invalid_request_error"), err.code
-
-
-def openai_error_body(err: ServiceError) -> tuple[int, dict[str, object]]:
-    """Map an error to OpenAI's status and ``{"error": {...}}`` body.
-
-    Args:
-        err: the error.
-
-    Returns:
-        ``(status, body)``. ``Overloaded`` becomes 503: OpenAI has no 529 and its SDK retries 503.
-    """
-    status = 503 if isinstance(err, Overloaded) else err.http_status
-    kind, code = _openai_kind(err, status)
-    body: dict[str, object] = {
-        "error": {"message": err.message, "type": kind, "param": err.param, "code": code}
-    }
-    return status, body
-
-
-def anthropic_error_body(err: ServiceError) -> tuple[int, dict[str, object]]:
-    """Map an error to Anthropic's status and ``{"type": "error", "error": {...}}`` body.
-
-    Args:
-        err: the error.
-
-    Returns:
-        ``(status, body)``; the SDK picks its exception class from the status.
-    """
-    status = err.http_status
-    kind = _ANTHROPIC_TYPES.get(status)
-    if kind is None:
-        kind = "api_error" if status >= 500 else "invalid_request_error"
-    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
 def _is_anthropic(request: Request) -> bool:
@@ -119,7 +40,8 @@ def error_response(request: Request, err: ServiceError) -> JSONResponse:
     Returns:
         A JSON response with ``Retry-After`` when the error carries ``retry_after``.
     """
-    status, body = (anthropic_error_body if _is_anthropic(request) else openai_error_body)(err)
+    envelope = anthropic_messages.error_body if _is_anthropic(request) else openai_errors.error_body
+    status, body = envelope(err)
     headers = {}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))

@@ -1,8 +1,9 @@
 """OpenAI Chat Completions response Structs: the ``chat.completion`` body and its chunks.
 
-Owns the outbound wire shapes only (wire-formats.md §2.5, §8.1); ``openai_chat`` fills them from
-events. Unset fields are omitted on encode, because the SDK concatenates every string field of a
-delta it receives.
+Owns the outbound wire shapes (the shapes of the openai SDK's ``ChatCompletion`` and
+``ChatCompletionChunk``) and the ``Context`` a request contributes to them; ``render`` and the
+projector fill them from events. Unset fields are omitted on encode, because the SDK
+concatenates every string field of a delta it receives.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "ChunkChoice",
     "CompletionTokensDetails",
     "CompletionUsage",
+    "Context",
     "Delta",
     "FunctionDelta",
     "FunctionOut",
@@ -174,3 +176,15 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[Choice]
     usage: CompletionUsage
     system_fingerprint: None = None
+
+
+class Context(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the projector and ``render`` need besides the events."""
+
+    id: str  # "chatcmpl-…", the same on every chunk
+    created: int  # unix seconds, the same on every chunk
+    model: str
+    include_usage: bool = False
+    include_reasoning: bool = False
+    reasoning_field: ReasoningField = "reasoning_content"
+    logprobs: bool = False

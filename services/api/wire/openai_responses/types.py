@@ -2,8 +2,8 @@
 
 Owns the msgspec Structs that are serialized onto the wire (and into the stored-response record)
 for ``/v1/responses``. Field order follows what OpenAI sends so transcripts read naturally. Pure
-data: no I/O, no parsing of client input (``openai_responses_request``), no projection logic
-(``openai_responses``).
+data: no I/O, no parsing of client input (``request``), no projection logic (``projector``),
+plus the ``Context`` a projector is built from.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import msgspec
 __all__ = [
     "ContentPartAdded",
     "ContentPartDone",
+    "Context",
     "ErrorEvent",
     "FunctionCallArgumentsDelta",
     "FunctionCallArgumentsDone",
@@ -364,3 +365,15 @@ StreamEvent = (
     | FunctionCallArgumentsDone
     | ErrorEvent
 )
+
+
+class Context(msgspec.Struct, frozen=True, kw_only=True):
+    """What a projector needs besides events.
+
+    Attributes:
+        skeleton: the in-progress ``Response`` echoing the request (id, created_at, params).
+        starting_after: replay only the events after this ``sequence_number`` (-1: all).
+    """
+
+    skeleton: Response
+    starting_after: int = -1

@@ -1,12 +1,12 @@
 """Anthropic Messages request parsing: raw JSON body → canonical ``GenerateRequest``.
 
 Owns decoding and validating the ``POST /v1/messages`` (and ``/count_tokens``) body and its
-translation into the format-agnostic job; the body's Structs live in
-``anthropic_messages_types``. It must not render templates, touch Redis or know about the
-response side; every problem becomes ``InvalidRequest`` with the offending ``param``, which the
-app renders as Anthropic's 400 ``invalid_request_error`` (never FastAPI's 422).
+translation into the format-agnostic job; the body's Structs live in ``request_types``. It
+must not render templates, touch Redis or know about the response side; every problem
+becomes ``InvalidRequest`` with the offending ``param``, which the app renders as Anthropic's
+400 ``invalid_request_error`` (never FastAPI's 422).
 
-What clients actually send (wire-formats.md §4.2, §4.3): ``system`` as a string or text blocks,
+What clients actually send, and so what is accepted: ``system`` as a string or text blocks,
 ``role: "system"`` turns inside ``messages`` (Claude Code), ``thinking`` / ``redacted_thinking``
 blocks replayed with any or an empty signature (always accepted), and sampling knobs the 1.x+
 SDKs only pass through ``extra_body``.
@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from services.api.wire.anthropic_messages_types import (
+from services.api.wire.anthropic_messages.request_types import (
     BLOCK_TYPES,
     ContentBlock,
     MessagesRequest,
@@ -48,14 +48,14 @@ __all__ = [
     "MessagesRequest",
     "build_job",
     "parse_count_tokens_request",
-    "parse_messages_request",
+    "parse_request",
 ]
 
 _DECODER = msgspec.json.Decoder(MessagesRequest)
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 
 
-def parse_messages_request(body: bytes) -> MessagesRequest:
+def parse_request(body: bytes) -> MessagesRequest:
     """Decode and validate a ``POST /v1/messages`` body.
 
     Args:
@@ -84,7 +84,7 @@ def parse_count_tokens_request(body: bytes) -> MessagesRequest:
         The decoded request.
 
     Raises:
-        InvalidRequest: as for ``parse_messages_request``, except for ``max_tokens``.
+        InvalidRequest: as for ``parse_request``, except for ``max_tokens``.
     """
     req = decode_body(_DECODER, body, _validation_error)
     _validate(req)

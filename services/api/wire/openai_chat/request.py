@@ -29,7 +29,7 @@ from shared.jobs import (
     ToolDef,
 )
 
-__all__ = ["ChatOptions", "ChatRequest", "ParsedChat", "parse_chat_request"]
+__all__ = ["ChatOptions", "ChatRequest", "ParsedChat", "parse_request"]
 
 _TEMPLATE_THINKING_KEYS = ("enable_thinking", "thinking")
 
@@ -136,7 +136,7 @@ class ParsedChat(msgspec.Struct, frozen=True, kw_only=True):
 _DECODER = msgspec.json.Decoder(ChatRequest)
 
 
-def parse_chat_request(
+def parse_request(
     body: bytes, *, request_id: str, include_reasoning_header: bool = False
 ) -> ParsedChat:
     """Decode and validate a Chat Completions body into a job.

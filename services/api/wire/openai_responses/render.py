@@ -12,8 +12,7 @@ from typing import Literal, assert_never
 
 import msgspec
 
-from services.api.wire.common import service_error
-from services.api.wire.openai_responses_types import (
+from services.api.wire.openai_responses.types import (
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
@@ -32,13 +31,11 @@ from services.api.wire.openai_responses_types import (
     TopLogprob,
 )
 from shared.accumulate import Completion, ReasoningBlock, TextBlock, ToolCallBlock
-from shared.errors import ServiceError
 from shared.events import Error, Finish, TokenLogprob, ToolCallStart, Usage
 
 __all__ = [
     "ItemKind",
     "build_item",
-    "error_from_event",
     "final_response",
     "item_id",
     "logprobs_out",
@@ -50,18 +47,6 @@ ItemKind = Literal["message", "reasoning", "function_call"]
 _PREFIX: dict[ItemKind, str] = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
 # Codex and the SDK know these codes; anything else is a retryable server error to them.
 _ERROR_CODES = {"context_overflow": "context_length_exceeded", "invalid_request": "invalid_prompt"}
-
-
-def error_from_event(error: Error) -> ServiceError:
-    """The HTTP error for a non-streaming request rejected before generation began.
-
-    Args:
-        error: the stream's terminal (and only) event.
-
-    Returns:
-        The ``ServiceError`` to raise (the app renders OpenAI's error body).
-    """
-    return service_error(error)
 
 
 def item_id(response_id: str, kind: ItemKind, output_index: int) -> str:
@@ -217,7 +202,7 @@ def render(completion: Completion, skeleton: Response) -> Response:
 
     Args:
         completion: ``fold(events)``; may be partial (still generating).
-        skeleton: the request echo from ``openai_responses_request.skeleton``.
+        skeleton: the request echo from ``request.skeleton``.
 
     Returns:
         The response; the last item is ``incomplete`` when generation did not end naturally,

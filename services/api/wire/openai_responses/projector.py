@@ -1,34 +1,27 @@
-"""OpenAI Responses projection: inference events → ``/v1/responses`` SSE frames and objects.
+"""OpenAI Responses projector: inference events → ``/v1/responses`` SSE frames.
 
-Owns the streaming projector (a small, pure state object: no awaits, no Redis, no clock, no
-random ids). ``render``, which builds the non-streaming ``Response`` from
-``shared.accumulate.fold`` over the same events, and the item builders both paths share live in
-``openai_responses_render`` (re-exported here). Item ids derive from the response id and the
-output index, so re-projecting a stored event log reproduces the original stream byte for byte
-(``GET /v1/responses/{id}?stream=true``). Request parsing lives in ``openai_responses_request``;
-the Structs in ``openai_responses_types``.
+A small, pure state object: no awaits, no Redis, no clock, no random ids. The item builders it
+shares with the non-streaming ``render`` live in ``render``. Item ids derive from the response
+id and the output index, so re-projecting a stored event log reproduces the original stream
+byte for byte (``GET /v1/responses/{id}?stream=true``).
 """
 
 from __future__ import annotations
 
 from typing import assert_never
 
-import msgspec
-
-from services.api.sse import Frame, json_frame
-from services.api.wire.openai_responses_render import (
+from services.api.wire.openai_responses.render import (
     ItemKind,
     build_item,
-    error_from_event,
     final_response,
     item_id,
     logprobs_out,
-    render,
     terminal_status,
 )
-from services.api.wire.openai_responses_types import (
+from services.api.wire.openai_responses.types import (
     ContentPartAdded,
     ContentPartDone,
+    Context,
     ErrorEvent,
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
@@ -49,6 +42,7 @@ from services.api.wire.openai_responses_types import (
     ResponseLifecycle,
     StreamEvent,
 )
+from services.api.wire.sse import Frame, json_frame
 from shared.events import (
     AnyEvent,
     Error,
@@ -63,19 +57,7 @@ from shared.events import (
     Usage,
 )
 
-__all__ = ["ResponsesContext", "ResponsesProjector", "error_from_event", "item_id", "render"]
-
-
-class ResponsesContext(msgspec.Struct, frozen=True, kw_only=True):
-    """What a projector needs besides events.
-
-    Attributes:
-        skeleton: the in-progress ``Response`` echoing the request (id, created_at, params).
-        starting_after: replay only the events after this ``sequence_number`` (-1: all).
-    """
-
-    skeleton: Response
-    starting_after: int = -1
+__all__ = ["Projector"]
 
 
 class _OpenItem:
@@ -88,14 +70,14 @@ class _OpenItem:
         self.accepting = True  # False after ReasoningEnd / ToolCallEnd: the next delta is new
 
 
-class ResponsesProjector:
+class Projector:
     """Projects one response's events into Responses SSE frames.
 
     Lifecycle: ``response.created`` and ``response.in_progress`` before anything else; each item
     added → deltas → done before the next; one terminal lifecycle event with every final item.
     """
 
-    def __init__(self, ctx: ResponsesContext) -> None:
+    def __init__(self, ctx: Context) -> None:
         """Create a projector.
 
         Args:

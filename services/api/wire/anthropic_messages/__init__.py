@@ -1,0 +1,33 @@
+"""Anthropic Messages (``/v1/messages``) on the wire.
+
+``request`` parses a body (its Structs in ``request_types``) into the job, ``types`` holds the
+response Structs and the ``Context``, ``projector`` streams events as ``event:``-named frames,
+``render`` builds the non-streaming message from the fold of the same events, and ``errors``
+holds Anthropic's error envelope and error types.
+"""
+
+from services.api.wire.anthropic_messages.errors import error_body, service_error
+from services.api.wire.anthropic_messages.projector import PING, Projector
+from services.api.wire.anthropic_messages.render import render, tool_use_id
+from services.api.wire.anthropic_messages.request import (
+    build_job,
+    parse_count_tokens_request,
+    parse_request,
+)
+from services.api.wire.anthropic_messages.request_types import MessagesRequest
+from services.api.wire.anthropic_messages.types import Context, Message
+
+__all__ = [
+    "PING",
+    "Context",
+    "Message",
+    "MessagesRequest",
+    "Projector",
+    "build_job",
+    "error_body",
+    "parse_count_tokens_request",
+    "parse_request",
+    "render",
+    "service_error",
+    "tool_use_id",
+]

@@ -1,0 +1,79 @@
+"""Anthropic's error vocabulary: the HTTP envelope, and the in-band type of an ``Error`` event.
+
+Owns ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's status-to-type table
+(the anthropic SDK picks its exception class from the status), the ``error.type`` a failed
+stream's ``event: error`` carries, and the exception a non-streaming request raises for a
+terminal ``Error`` (with ``retry-after`` on overload, which Anthropic clients honour on 529).
+"""
+
+from __future__ import annotations
+
+from services.api.wire import common
+from shared.errors import ServiceError
+from shared.events import Error, ErrorKind
+
+__all__ = ["error_body", "error_type", "service_error"]
+
+_TYPES_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+_TYPES_BY_KIND: dict[ErrorKind, str] = {
+    "overloaded": "overloaded_error",
+    "invalid_request": "invalid_request_error",
+    "context_overflow": "invalid_request_error",
+    "worker_lost": "api_error",
+    "cancelled": "api_error",
+    "internal": "api_error",
+}
+
+
+def error_body(err: ServiceError) -> tuple[int, dict[str, object]]:
+    """Map an error to Anthropic's status and ``{"type": "error", "error": {...}}`` body.
+
+    Args:
+        err: the error.
+
+    Returns:
+        ``(status, body)``; the SDK picks its exception class from the status.
+    """
+    status = err.http_status
+    kind = _TYPES_BY_STATUS.get(status)
+    if kind is None:
+        kind = "api_error" if status >= 500 else "invalid_request_error"
+    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def error_type(kind: ErrorKind) -> str:
+    """Anthropic's ``error.type`` for an ``Error`` event's kind.
+
+    Args:
+        kind: the event's kind.
+
+    Returns:
+        ``overloaded_error``, ``invalid_request_error`` or ``api_error``.
+    """
+    return _TYPES_BY_KIND[kind]
+
+
+def service_error(event: Error) -> ServiceError:
+    """The exception a non-streaming request raises for a terminal ``Error`` event.
+
+    The app renders it with Anthropic's envelope and status (400, 500, 529).
+
+    Args:
+        event: the terminal error.
+
+    Returns:
+        The matching ``ServiceError`` subclass instance.
+    """
+    # Anthropic clients honour retry-after on 529; the worker marks overload as retryable.
+    retryable = event.kind == "overloaded" and event.retryable
+    return common.service_error(event, retry_after=1.0 if retryable else None)

@@ -1,0 +1,137 @@
+"""OpenAI Chat Completions render: the non-streaming ``chat.completion`` from folded events.
+
+Owns ``render``, which builds the body from ``shared.accumulate.fold(events)``, and the mappings
+the streaming projector shares with it (usage, logprobs, finish reason), so the streamed and the
+non-streamed answer read the same events the same way. Pure: no I/O, no clock, no random ids.
+"""
+
+from __future__ import annotations
+
+from msgspec import UNSET
+
+from services.api.wire.openai_chat.types import (
+    ChatCompletion,
+    ChatFinishReason,
+    Choice,
+    ChoiceLogprobs,
+    CompletionTokensDetails,
+    CompletionUsage,
+    Context,
+    FunctionOut,
+    LogprobOut,
+    PromptTokensDetails,
+    ResponseMessage,
+    ToolCallOut,
+    TopLogprobOut,
+)
+from shared.accumulate import Completion, TextBlock
+from shared.events import Finish, FinishReason, TokenLogprob, Usage
+
+__all__ = ["finish_reason", "logprobs_out", "render", "usage_out"]
+
+_FINISH: dict[FinishReason, ChatFinishReason] = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    "cancelled": "stop",  # the wire has no "cancelled"; only replays of cut requests see it
+}
+
+
+def usage_out(usage: Usage | None) -> CompletionUsage:
+    """The wire usage of a stream's ``Usage`` (zeros when there was none).
+
+    Args:
+        usage: the stream's usage event, if any.
+
+    Returns:
+        The ``usage`` object of the body or of the final chunk.
+    """
+    u = usage or Usage(input_tokens=0, output_tokens=0)
+    return CompletionUsage(
+        prompt_tokens=u.input_tokens,
+        completion_tokens=u.output_tokens,
+        total_tokens=u.input_tokens + u.output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=u.reasoning_tokens),
+    )
+
+
+def logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:
+    """Token logprobs in the ``choices[].logprobs`` shape.
+
+    Args:
+        items: the events' logprobs, in order.
+
+    Returns:
+        One ``LogprobOut`` per token.
+    """
+    return ChoiceLogprobs(
+        content=[
+            LogprobOut(
+                token=lp.token,
+                logprob=lp.logprob,
+                bytes=lp.bytes,
+                top_logprobs=[TopLogprobOut(t.token, t.logprob, t.bytes) for t in lp.top],
+            )
+            for lp in items
+        ]
+    )
+
+
+def finish_reason(finish: Finish | None, had_tool_calls: bool) -> ChatFinishReason:
+    """The wire ``finish_reason`` of a stream's ``Finish``.
+
+    Args:
+        finish: the stream's finish event, if any.
+        had_tool_calls: whether the turn called any tool.
+
+    Returns:
+        ``stop``, ``length`` or ``tool_calls``.
+    """
+    reason = _FINISH[finish.reason] if finish is not None else "stop"
+    # A model that ends its turn naturally after calling tools is asking for their results.
+    return "tool_calls" if had_tool_calls and reason == "stop" else reason
+
+
+def render(completion: Completion, ctx: Context) -> ChatCompletion:
+    """Render a folded stream as the non-streaming ``chat.completion`` body.
+
+    Args:
+        completion: ``shared.accumulate.fold`` of the request's events (finished, not failed).
+        ctx: The request's ids and output options.
+
+    Returns:
+        The response body; encode it with ``msgspec.json.encode``.
+    """
+    calls = [
+        ToolCallOut(id=c.call_id, function=FunctionOut(name=c.name, arguments=c.arguments))
+        for c in completion.tool_calls
+    ]
+    text = completion.text
+    reasoning = completion.reasoning if ctx.include_reasoning else ""
+    field = ctx.reasoning_field
+    message = ResponseMessage(
+        # content is null (not "") when the turn is only tool calls, as OpenAI sends it
+        content=text if text or not calls else None,
+        tool_calls=calls or UNSET,
+        reasoning_content=reasoning if reasoning and field != "reasoning" else UNSET,
+        reasoning=reasoning if reasoning and field != "reasoning_content" else UNSET,
+    )
+    logprobs = None
+    if ctx.logprobs:
+        items = [lp for b in completion.blocks if isinstance(b, TextBlock) for lp in b.logprobs]
+        logprobs = logprobs_out(items)
+    choice = Choice(
+        index=0,
+        message=message,
+        finish_reason=finish_reason(completion.finish, bool(calls)),
+        logprobs=logprobs,
+    )
+    return ChatCompletion(
+        id=ctx.id,
+        created=ctx.created,
+        model=ctx.model,
+        choices=[choice],
+        usage=usage_out(completion.usage),
+    )

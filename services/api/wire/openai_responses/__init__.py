@@ -1,0 +1,31 @@
+"""OpenAI Responses (``/v1/responses``) on the wire.
+
+``request`` parses a body into the job and the ``Response`` skeleton it echoes, ``items`` folds
+input items (and a stored response's output) into conversation turns, ``types`` holds the
+response object, its items, its stream events and the ``Context``, ``projector`` streams events,
+and ``render`` builds the ``Response`` from the fold of the same events. Errors use OpenAI's
+envelope (``wire.openai_errors``).
+"""
+
+from services.api.wire.openai_responses.items import items_to_messages
+from services.api.wire.openai_responses.projector import Projector
+from services.api.wire.openai_responses.render import render
+from services.api.wire.openai_responses.request import (
+    build_job,
+    input_messages,
+    parse_request,
+    skeleton,
+)
+from services.api.wire.openai_responses.types import Context, Response
+
+__all__ = [
+    "Context",
+    "Projector",
+    "Response",
+    "build_job",
+    "input_messages",
+    "items_to_messages",
+    "parse_request",
+    "render",
+    "skeleton",
+]

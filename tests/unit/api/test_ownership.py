@@ -1,0 +1,71 @@
+"""One ownership rule: a stored request or response is its creator's; to any other key, 404."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import msgspec
+import pytest
+
+from services.api import responses_store
+from services.api.ownership import REQUESTS, load_owned
+from services.api.state import AppState
+from shared import keys
+from shared.codec import encode_job
+from shared.errors import NotFound
+from shared.jobs import GenerateRequest, Message, TextPart
+from tests.golden.test_openai_responses import golden_skeleton
+
+RID = "req_0001"
+JOB = GenerateRequest(
+    request_id=RID,
+    model="tiny-test",
+    messages=[Message(role="user", content=[TextPart("hi")])],
+    owner="a",
+)
+
+
+class _Redis:
+    """The two reads ``load_owned`` makes, over a dict."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+    async def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
+        record = self.data.get(key, {})
+        return [record.get(f) for f in fields]
+
+    async def get(self, key: str) -> bytes | None:
+        value: bytes | None = self.data.get(key)
+        return value
+
+
+def _state(data: dict[str, Any]) -> AppState:
+    return cast(AppState, type("State", (), {"redis": _Redis(data)})())
+
+
+async def test_the_owner_loads_its_request() -> None:
+    state = _state({keys.request(RID): {"owner": b"a", "job": encode_job(JOB)}})
+    assert await load_owned(state, REQUESTS, RID, "a") == JOB
+
+
+@pytest.mark.parametrize("owner", ["b", ""])
+async def test_another_key_and_a_missing_request_get_the_same_404(owner: str) -> None:
+    state = _state({keys.request(RID): {"owner": b"a", "job": encode_job(JOB)}})
+    with pytest.raises(NotFound) as other:
+        await load_owned(state, REQUESTS, RID, owner)
+    with pytest.raises(NotFound) as missing:
+        await load_owned(state, REQUESTS, "req_missing", "a")
+    assert other.value.http_status == missing.value.http_status == 404
+    assert other.value.message == f"no request with id '{RID}'"
+
+
+async def test_stored_responses_follow_the_same_rule() -> None:
+    skeleton = golden_skeleton()
+    record = responses_store.StoredResponse(owner="a", skeleton=skeleton)
+    state = _state({keys.response(skeleton.id): msgspec.json.encode(record)})
+    loaded = await load_owned(state, responses_store.RESPONSES, skeleton.id, "a")
+    assert loaded.skeleton == skeleton
+    with pytest.raises(NotFound) as other:
+        await load_owned(state, responses_store.RESPONSES, skeleton.id, "b")
+    assert other.value.param == "response_id"
