@@ -5,11 +5,9 @@ reasoning router, the streaming tool-call parser and the stop-sequence matcher. 
 ``feed`` once per generated token, checks ``stop_reason`` and ``forced_next_token()`` between
 steps, and ends with ``finish(reason)``.
 
-Token accounting keeps the stream invariant: every fed token id rides on exactly one event, in
-order. Each token is queued with the offset its text ends at in the decoded output; an event that
-releases text up to some offset carries the queued ids that end there or earlier. Marker tokens
-have no text, so they ride on the event they open or close. Ids whose text is held back (a
-partial stop string, a matched stop, EOS) ride on ``Finish``.
+Token accounting (``ledger.TokenLedger``) keeps the stream invariant: every fed token id rides
+on exactly one event, in order. Ids whose text is held back (a partial stop string, a matched
+stop, EOS) ride on ``Finish``.
 
 Answer text goes out only up to the end of a whole token's text (text released ahead of its
 token waits in ``_unsent``), and a tool-call event carries every token fed so far. So what a
@@ -31,6 +29,7 @@ import tokenizers
 
 from services.worker.parsing.budget import reasoning_budget
 from services.worker.parsing.detok import Detokenizer
+from services.worker.parsing.ledger import TokenLedger
 from services.worker.parsing.reasoning import ReasoningRouter
 from services.worker.parsing.stops import StopMatcher
 from services.worker.parsing.tool_calls import (
@@ -109,19 +108,16 @@ class OutputDecoder:
         self._tools = card.tools if use_tools else None
         named = job.tool_choice.name if job.tool_choice.mode == "named" else None
         self._tool_names = {named} if named else {t.name for t in job.tools}
-        self._pos = 0  # characters decoded so far, over all channels
-        self._queue: list[tuple[int, TokenLogprob | None, int]] = []  # (id, logprob, text end)
-        self._finish_ids: list[int] = []
+        self._ledger = TokenLedger()
         self._detok = Detokenizer(tokenizer)
         self._mode: Mode = "reasoning" if self._router.inside else "text"
         self._stops = StopMatcher(job.stop)
-        self._text_base = 0  # _pos where the current stop matcher's text begins
+        self._text_base = 0  # ledger.pos where the current stop matcher's text begins
         self._unsent = ""  # answer text released by the stop matcher, waiting for its token
-        self._taken_upto = 0  # text end offset of the last token put on an event
         self._answer_started = False  # visible non-space text emitted (llama3 JSON detection)
         self._lead = ""  # held leading answer text while it may still open a llama3 JSON call
         self._parser: CallParser | None = None
-        self._call_base = 0  # _pos where the call parser's text begins
+        self._call_base = 0  # ledger.pos where the call parser's text begins
         self._call_open = False  # a ToolCallStart was emitted without its ToolCallEnd
         self._await_marker: Completed | None = None  # hermes: End waits for </tool_call>
         self._marker_text: str | None = None  # text of the token that opened the call region
@@ -132,10 +128,10 @@ class OutputDecoder:
         """Consume one generated token; return the delta events it released."""
         self.output_tokens += 1
         if self.stop_reason is not None:
-            self._finish_ids.append(token_id)  # fed past the end: carried, never shown
+            self._ledger.hold(token_id)  # fed past the end: carried, never shown
             return []
         if token_id in self._eos:
-            self._finish_ids.append(token_id)
+            self._ledger.hold(token_id)
             self.stop_reason = "end_turn"
             return []
         if self._mode == "reasoning":
@@ -147,11 +143,11 @@ class OutputDecoder:
             self._switch("reasoning")
             self._router.inside = True
             self.reasoning_tokens += 1
-            self._enqueue(token_id, logprob)
+            self._ledger.add(token_id, logprob)
             return out
         if tools is not None and token_id == tools.open_id and self._mode == "text":
             out += self._end_text()
-            self._enqueue(token_id, logprob)
+            self._ledger.add(token_id, logprob)
             self._begin_calls(marker=tools.open)
             return out
         if tools is not None and tools.style == "hermes" and self._mode == "calls":
@@ -160,11 +156,11 @@ class OutputDecoder:
             if token_id == tools.open_id and self._await_marker is not None:
                 # A new <tool_call> where </tool_call> was due: end the finished call first.
                 done, self._await_marker = self._await_marker, None
-                out += self._end_call(done, self._pos)
-                self._enqueue(token_id, logprob)
+                out += self._end_call(done, self._ledger.pos)
+                self._ledger.add(token_id, logprob)
                 self._begin_calls(marker=tools.open)
                 return out
-        piece = self._enqueue(token_id, logprob, self._detok.step(token_id))
+        piece = self._ledger.add(token_id, logprob, self._detok.step(token_id))
         return out + self._route(piece)
 
     def forced_next_token(self) -> int | None:
@@ -183,8 +179,7 @@ class OutputDecoder:
         """
         for token_id in token_ids:
             self.feed(token_id)
-        self._queue = []
-        self._finish_ids = []
+        self._ledger.forget()
         self._unsent = ""
         if self._mode == "text":
             self._stops.released = len(self._stops.text)
@@ -193,7 +188,7 @@ class OutputDecoder:
         """Flush held text, close open blocks, then ``Usage`` and ``Finish``."""
         out = self._route(self._flush())
         if self._mode == "reasoning":
-            out.append(ReasoningEnd(token_ids=self._take(self._pos)[0]))
+            out.append(ReasoningEnd(token_ids=self._ledger.take(self._ledger.pos)[0]))
         elif self._mode == "calls":
             out += self._finish_calls()
         else:
@@ -211,51 +206,23 @@ class OutputDecoder:
                 reasoning_tokens=self.reasoning_tokens,
             )
         )
-        ids = [i for i, _, _ in self._queue] + self._finish_ids
-        self._queue, self._finish_ids = [], []
+        ids = self._ledger.drain()
         stop = self.stop_sequence if reason == "stop_sequence" else None
         out.append(Finish(reason=reason, stop_sequence=stop, token_ids=ids))
         return out
 
     # ------------------------------------------------------------------ token bookkeeping
 
-    def _enqueue(self, token_id: int, logprob: TokenLogprob | None, piece: str = "") -> str:
-        """Queue a token whose decoded text is ``piece``; return the piece."""
-        self._pos += len(piece)
-        self._queue.append((token_id, logprob, self._pos))
-        return piece
-
     def _flush(self) -> str:
         """Text the detokenizer still holds (end of a segment); its tokens are already queued."""
-        piece = self._detok.flush()
-        self._pos += len(piece)
-        return piece
-
-    def _take(self, upto: int) -> tuple[list[int], list[TokenLogprob]]:
-        """Pop the queued tokens whose text ends at or before offset ``upto``."""
-        n = 0
-        while n < len(self._queue) and self._queue[n][2] <= upto:
-            n += 1
-        taken, self._queue = self._queue[:n], self._queue[n:]
-        if taken:
-            self._taken_upto = max(self._taken_upto, taken[-1][2])
-        return [i for i, _, _ in taken], [lp for _, lp, _ in taken if lp is not None]
-
-    def _token_boundary(self, upto: int) -> int | None:
-        """The largest text end offset of a queued token that is at or before ``upto``."""
-        best: int | None = None
-        for _, _, end in self._queue:
-            if end > upto:
-                break
-            best = end
-        return best
+        return self._ledger.advance(self._detok.flush())
 
     def _switch(self, mode: Mode) -> None:
         self._mode = mode
         self._detok = Detokenizer(self.tokenizer)
         if mode == "text":
             self._stops = StopMatcher(self.job.stop)
-            self._text_base = self._pos
+            self._text_base = self._ledger.pos
 
     # ------------------------------------------------------------------ reasoning
 
@@ -263,18 +230,19 @@ class OutputDecoder:
         self.reasoning_tokens += 1
         if self._router.is_close(token_id):
             out = self._reasoning_delta(self._flush())
-            self._enqueue(token_id, logprob)
-            out.append(ReasoningEnd(token_ids=self._take(self._pos)[0]))
+            self._ledger.add(token_id, logprob)
+            out.append(ReasoningEnd(token_ids=self._ledger.take(self._ledger.pos)[0]))
             self._router.inside = False
             self._switch("text")
             return out
         self._router.count()  # a <tool_call> in here is reasoning too
-        return self._reasoning_delta(self._enqueue(token_id, logprob, self._detok.step(token_id)))
+        piece = self._ledger.add(token_id, logprob, self._detok.step(token_id))
+        return self._reasoning_delta(piece)
 
     def _reasoning_delta(self, piece: str) -> list[AnyEvent]:
         if not piece:
             return []
-        return [ReasoningDelta(text=piece, token_ids=self._take(self._pos)[0])]
+        return [ReasoningDelta(text=piece, token_ids=self._ledger.take(self._ledger.pos)[0])]
 
     # ------------------------------------------------------------------ answer text
 
@@ -294,7 +262,7 @@ class OutputDecoder:
                 return []
             lead, self._lead = self._lead, ""
             if stripped[0] == "{":
-                self._begin_calls(base=self._pos - len(lead))
+                self._begin_calls(base=self._ledger.pos - len(lead))
                 return self._call_actions(self._parser_feed(lead))
             piece = lead
         return self._text(self._stops.push(piece))
@@ -312,11 +280,11 @@ class OutputDecoder:
         begin = end - len(self._unsent)
         # Up to a queued token's end, or text whose tokens already rode on an earlier event
         # (a tool call's closing token that also holds the start of trailing prose).
-        cut = max(self._token_boundary(end) or 0, min(end, self._taken_upto))
+        cut = max(self._ledger.boundary(end) or 0, min(end, self._ledger.taken_upto))
         if cut <= begin:
             return []  # no token's text is complete yet: it rides on a later delta
         text, self._unsent = self._unsent[: cut - begin], self._unsent[cut - begin :]
-        ids, logprobs = self._take(cut)
+        ids, logprobs = self._ledger.take(cut)
         return [TextDelta(text=text, token_ids=ids, logprobs=logprobs or None)]
 
     def _end_text(self) -> list[AnyEvent]:
@@ -334,7 +302,7 @@ class OutputDecoder:
     def _begin_calls(self, *, marker: str | None = None, base: int | None = None) -> None:
         self._switch("calls")
         self._parser = CallParser(self._tool_names)
-        self._call_base = self._pos if base is None else base
+        self._call_base = self._ledger.pos if base is None else base
         self._marker_text = marker  # shown again if the region turns out not to be a call
 
     def _parser_feed(self, piece: str) -> list[Action]:
@@ -346,7 +314,7 @@ class OutputDecoder:
         index = self.calls_completed
         for action in actions:
             if isinstance(action, Started):
-                ids = self._take(self._pos)[0]
+                ids = self._ledger.take(self._ledger.pos)[0]
                 rid = self.job.request_id
                 out.append(
                     ToolCallStart(
@@ -355,13 +323,13 @@ class OutputDecoder:
                 )
                 self._call_open = True
             elif isinstance(action, Fragment):
-                ids = self._take(self._pos)[0]
+                ids = self._ledger.take(self._ledger.pos)[0]
                 out.append(ToolCallArgsDelta(index=index, fragment=action.text, token_ids=ids))
             elif isinstance(action, Completed):
                 if self._tools is not None and self._tools.style == "hermes":
                     self._await_marker = action  # the close marker rides on the End
                 else:
-                    out += self._end_call(action, self._pos)
+                    out += self._end_call(action, self._ledger.pos)
                     index = self.calls_completed
             elif isinstance(action, Trailing) and self._await_marker is not None:
                 continue  # junk before </tool_call>: its tokens ride on the End
@@ -374,7 +342,7 @@ class OutputDecoder:
 
     def _end_call(self, done: Completed, upto: int) -> list[AnyEvent]:
         index = self.calls_completed
-        ids = self._take(upto)[0]
+        ids = self._ledger.take(upto)[0]
         self.calls_completed += 1
         self._call_open = False
         if not self.job.parallel_tool_calls and self.stop_reason is None:
@@ -388,15 +356,15 @@ class OutputDecoder:
             raw = self._marker_text + raw  # the marker token's text was swallowed: give it back
         self._switch("text")
         self._answer_started = True
-        self._text_base = self._pos - len(raw)
+        self._text_base = self._ledger.pos - len(raw)
         return self._text(self._stops.push(raw))
 
     def _close_hermes(self, token_id: int, logprob: TokenLogprob | None) -> list[AnyEvent]:
         out = self._route(self._flush())
-        self._enqueue(token_id, logprob)
+        self._ledger.add(token_id, logprob)
         done, self._await_marker = self._await_marker, None
         if done is not None:
-            out += self._end_call(done, self._pos)
+            out += self._end_call(done, self._ledger.pos)
             self._switch("text")
         elif self._mode == "calls":
             out += self._finish_calls()
@@ -412,5 +380,5 @@ class OutputDecoder:
         out = self._call_actions(self._parser.finish())
         done, self._await_marker = self._await_marker, None
         if done is not None:
-            out += self._end_call(done, self._pos)
+            out += self._end_call(done, self._ledger.pos)
         return out

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
+import fakeredis
 import msgspec
 import pytest
 
@@ -13,45 +14,39 @@ from services.api.state import AppState
 from shared import keys
 from shared.codec import encode_job
 from shared.errors import NotFound
-from shared.jobs import GenerateRequest, Message, TextPart
+from shared.jobs import Job, Message, TextPart
 from tests.golden.test_openai_responses import golden_skeleton
 
 RID = "req_0001"
-JOB = GenerateRequest(
+JOB = Job(
     request_id=RID,
     model="tiny-test",
     messages=[Message(role="user", content=[TextPart("hi")])],
     owner="a",
+    prompt_token_ids=[1, 2, 3],
+    prompt_text="hi",
 )
 
 
-class _Redis:
-    """The two reads ``load_owned`` makes, over a dict."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.data = data
-
-    async def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
-        record = self.data.get(key, {})
-        return [record.get(f) for f in fields]
-
-    async def get(self, key: str) -> bytes | None:
-        value: bytes | None = self.data.get(key)
-        return value
-
-
-def _state(data: dict[str, Any]) -> AppState:
-    return cast(AppState, type("State", (), {"redis": _Redis(data)})())
+async def _state(data: dict[str, dict[str, bytes] | bytes]) -> AppState:
+    """An app state whose Redis is an in-process fakeredis holding ``data``."""
+    redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+    for key, value in data.items():
+        if isinstance(value, dict):
+            await redis.hset(key, mapping=value)
+        else:
+            await redis.set(key, value)
+    return cast(AppState, type("State", (), {"redis": redis})())
 
 
 async def test_the_owner_loads_its_request() -> None:
-    state = _state({keys.request(RID): {"owner": b"a", "job": encode_job(JOB)}})
+    state = await _state({keys.request(RID): {"owner": b"a", "job": encode_job(JOB)}})
     assert await load_owned(state, REQUESTS, RID, "a") == JOB
 
 
 @pytest.mark.parametrize("owner", ["b", ""])
 async def test_another_key_and_a_missing_request_get_the_same_404(owner: str) -> None:
-    state = _state({keys.request(RID): {"owner": b"a", "job": encode_job(JOB)}})
+    state = await _state({keys.request(RID): {"owner": b"a", "job": encode_job(JOB)}})
     with pytest.raises(NotFound) as other:
         await load_owned(state, REQUESTS, RID, owner)
     with pytest.raises(NotFound) as missing:
@@ -63,7 +58,7 @@ async def test_another_key_and_a_missing_request_get_the_same_404(owner: str) ->
 async def test_stored_responses_follow_the_same_rule() -> None:
     skeleton = golden_skeleton()
     record = responses_store.StoredResponse(owner="a", skeleton=skeleton)
-    state = _state({keys.response(skeleton.id): msgspec.json.encode(record)})
+    state = await _state({keys.response(skeleton.id): msgspec.json.encode(record)})
     loaded = await load_owned(state, responses_store.RESPONSES, skeleton.id, "a")
     assert loaded.skeleton == skeleton
     with pytest.raises(NotFound) as other:
