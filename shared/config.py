@@ -47,6 +47,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kernel_dir: str | None = None  # SLUICE_KERNEL_DIR: kernel build cache (~/.cache/sluice/kernels)
     threads: int = 0  # SLUICE_THREADS: torch CPU threads (0 = torch default)
     log_level: str = "info"  # SLUICE_LOG_LEVEL
+    # SLUICE_METRICS_PORT: a worker serves Prometheus metrics on http://SLUICE_HOST:port/metrics
+    # (0 = off; the API always serves GET /metrics on its own port).
+    metrics_port: int = 0
     # SLUICE_MAX_CACHED_TOKENS: a worker admits a sequence only while the tokens reserved by
     # its running sequences (prompt + max_tokens each) fit; 0 = as many as a 2 GiB KV budget
     # holds for the model, at least one full context, at most max_batch full contexts.

@@ -20,10 +20,12 @@ from arq.connections import ArqRedis
 from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.api.access import Observe
 from services.api.auth import authenticate
 from services.api.cards import CardCache
 from services.api.error_handlers import install_error_handlers
 from services.api.hub import StreamHub
+from services.api.metrics import ApiMetrics
 from services.api.routes import chat, health, messages, models, native, responses
 from services.api.start_timeout import sweep_loop
 from services.api.state import AppState
@@ -75,6 +77,7 @@ def create_app(settings: Settings) -> FastAPI:
     Returns:
         The app; its lifespan connects to Redis on startup.
     """
+    metrics = ApiMetrics()  # before the lifespan: the wrapper counts from the first request
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,13 +90,17 @@ def create_app(settings: Settings) -> FastAPI:
             job_deserializer=msgspec.msgpack.decode,
         )
         hub = StreamHub(settings.redis_url, redis)
+        hub.on_read = metrics.xread_entries.observe
+        metrics.hub_subscriptions.set_function(lambda: hub.subscriptions)
         await hub.start()
         cards = CardCache(
             redis,
             lease_ttl_s=settings.lease_ttl_s,
             reasoning_when_hidden=settings.reasoning_when_hidden,
         )
-        state = AppState(settings=settings, redis=redis, arq=arq, hub=hub, cards=cards)
+        state = AppState(
+            settings=settings, redis=redis, arq=arq, hub=hub, cards=cards, metrics=metrics
+        )
         app.state.sluice = state
         # Requests nobody streams must time out too (the pipeline covers the watched ones).
         sweeper = asyncio.create_task(sweep_loop(redis, settings), name="sluice-start-timeout")
@@ -117,6 +124,7 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     _mount(app)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(Observe, metrics=metrics)  # outermost: sees every request's status
     return app
 
 

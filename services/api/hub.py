@@ -24,7 +24,7 @@ import logging
 import os
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -209,6 +209,7 @@ class StreamHub:
         self._woken_version = -1
         self._stopping = False
         self.xread_calls = 0
+        self.on_read: Callable[[int], None] = lambda entries: None  # entries per XREAD (metrics)
 
     @property
     def subscriptions(self) -> int:
@@ -396,3 +397,4 @@ class StreamHub:
             backoff = 0.05
             if response:
                 self._dispatch(response)
+                self.on_read(sum(len(entries) for _, entries in response))

@@ -15,6 +15,7 @@ from fastapi import Request
 
 from services.api.cards import CardCache
 from services.api.hub import StreamHub
+from services.api.metrics import ApiMetrics
 from shared.config import Settings
 
 __all__ = ["AppState", "get_state"]
@@ -29,6 +30,7 @@ class AppState:
     arq: ArqRedis
     hub: StreamHub
     cards: CardCache
+    metrics: ApiMetrics = field(default_factory=ApiMetrics)
     background: set[asyncio.Task[None]] = field(default_factory=set)  # fire-and-forget work
 
 

@@ -28,6 +28,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from services.api import access
+from services.api.metrics import format_of
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
 from services.api.submit import cancel
@@ -35,7 +37,7 @@ from services.api.wire import sse
 from shared import keys
 from shared.codec import decode_entry
 from shared.errors import ProtocolError
-from shared.events import AnyEvent, Error, is_terminal
+from shared.events import AnyEvent, Error, Usage, is_terminal
 
 __all__ = ["Projector", "collect_events", "sse_response", "tail"]
 
@@ -153,6 +155,8 @@ async def _frames(
 ) -> AsyncIterator[bytes]:
     ping = sse.encode(keepalive) if keepalive is not None else sse.comment()
     finished = False
+    rec = access.record()
+    began = time.perf_counter()
     try:
         async with contextlib.aclosing(_batches(state, rid, after)) as batches:
             async for batch in batches:
@@ -160,6 +164,8 @@ async def _frames(
                     yield ping
                     continue
                 out: list[bytes] = []
+                if rec is not None and rec.ttft_ms is None:
+                    rec.ttft_ms = round((time.perf_counter() - began) * 1000, 1)
                 for entry_id, event in batch:
                     frames = projector.feed(event)
                     if frames:  # the entry id rides on the event's last frame
@@ -169,6 +175,11 @@ async def _frames(
                     if is_terminal(event):
                         finished = True
                         out.extend(sse.encode(f) for f in projector.close())
+                    elif isinstance(event, Usage) and rec is not None:
+                        rec.input_tokens, rec.output_tokens = (
+                            event.input_tokens,
+                            event.output_tokens,
+                        )
                 if out:
                     yield b"".join(out)
     except Exception as exc:  # boundary: after the headers, errors travel in-band only
@@ -198,8 +209,8 @@ def sse_response(
 
     Args:
         state: the app state.
-        request: the HTTP request (kept for symmetry with ``collect_events``; disconnects are seen
-            by Starlette, which cancels the body iterator).
+        request: the HTTP request (its path names the wire format in the metrics; disconnects
+            are seen by Starlette, which cancels the body iterator).
         rid: the request id.
         projector: the wire format's projector.
         after: resume after this entry id (``Last-Event-ID``); ``0-0`` streams everything.
@@ -211,12 +222,28 @@ def sse_response(
     Returns:
         The streaming response.
     """
-    del request
+    _count_reads(state, request, resumed=after != "0-0")
     return StreamingResponse(
         _frames(state, rid, projector, after, keepalive, cancel_on_disconnect),
         headers={**sse.HEADERS, **(headers or {})},
         media_type=sse.MEDIA_TYPE,
     )
+
+
+def _count_reads(state: AppState, request: Request, *, resumed: bool) -> None:
+    """Count a GET of a stored request as a replay, and a stream resumed after an entry."""
+    fmt = format_of(request.url.path)
+    if request.method == "GET":
+        state.metrics.replays.labels(fmt).inc()
+    if resumed or int(request.query_params.get("starting_after", -1) or -1) >= 0:
+        state.metrics.resumes.labels(fmt).inc()
+
+
+def _note_usage(events: list[AnyEvent]) -> None:
+    rec = access.record()
+    usage = next((e for e in reversed(events) if isinstance(e, Usage)), None)
+    if rec is not None and usage is not None:
+        rec.usage(usage.input_tokens, usage.output_tokens)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -242,6 +269,7 @@ async def collect_events(state: AppState, request: Request, rid: str) -> list[An
         ProtocolError: an entry does not decode.
     """
     events: list[AnyEvent] = []
+    _count_reads(state, request, resumed=False)
 
     async def gather() -> None:
         async for _, event in tail(state, rid):
@@ -258,6 +286,7 @@ async def collect_events(state: AppState, request: Request, rid: str) -> list[An
         await asyncio.gather(gatherer, watcher, return_exceptions=True)
     if gatherer in done:
         gatherer.result()  # re-raise a decode failure
+        _note_usage(events)
         return events
     await _cancel_quietly(state, rid)
     raise ClientDisconnect(f"client left after {time.monotonic() - started:.1f}s")

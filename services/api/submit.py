@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from services.api import access
 from shared import keys
 from shared.codec import encode_job
 from shared.errors import (
@@ -23,6 +24,7 @@ from shared.errors import (
     InvalidRequest,
     NoWorker,
     RateLimited,
+    ServiceError,
 )
 from shared.jobs import GenerateRequest, Job
 from shared.protocol import JOB_FUNCTION
@@ -64,6 +66,14 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
         ContextOverflow: prompt + ``max_tokens`` (or 1) exceeds the context length.
         RateLimited: the model's queue holds ``queue_max`` jobs or more.
     """
+    try:
+        return await _admit(state, job, owner)
+    except ServiceError as exc:  # counted by reason: 429 and 503 are the ones to alert on
+        state.metrics.rejections.labels(exc.code, str(exc.http_status)).inc()
+        raise
+
+
+async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Job:
     loaded = await state.cards.get(job.model)
     if not await state.cards.has_worker(job.model):
         raise NoWorker(f"no worker is serving '{job.model}' right now", retry_after=5)
@@ -92,6 +102,9 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
         job, request_id=rid, owner=job.owner if owner is None else owner, created=time.time()
     )
     tokenized = Job.of(request, prompt_token_ids=prompt_ids, prompt_text=rendered.text)
+    if (rec := access.record()) is not None:
+        rec.request_id, rec.model = rid, job.model
+    sent = time.perf_counter()
     await _store(state, tokenized)
     payload = encode_job(tokenized)
     await state.arq.enqueue_job(
@@ -101,6 +114,7 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
         _queue_name=queue,
         _expires=state.settings.job_expires_s,
     )
+    state.metrics.redis_rtt.labels("admit").observe(time.perf_counter() - sent)
     return tokenized
 
 

@@ -1,7 +1,8 @@
 """The worker's periodic pulse: heartbeat hash, worker registry and request leases.
 
 Every ``heartbeat_s`` one pipeline (one round trip, whatever the number of active requests)
-writes ``sluice:worker:{wid}`` (model, slots, active, version; TTL three beats), scores the worker
+writes ``sluice:worker:{wid}`` (model, slots, active, version, device, tokens/s since the last
+beat, tokens generated and requests served; TTL three beats), scores the worker
 in ``sluice:workers``, and refreshes the lease of every request this worker is generating while
 reading its cancel flag. Per-step cancellation is the publisher's job (the flag rides on every
 publish); this loop only rescues a request whose step is stuck (e.g. a long prefill), by
@@ -21,7 +22,7 @@ from services.worker.job_function import WorkerContext
 from shared import keys
 from shared.protocol import LEASE_LOST, Scripts
 
-__all__ = ["beat_once", "heartbeat_loop", "retire"]
+__all__ = ["VERSION", "beat_once", "device_of", "heartbeat_loop", "retire"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,14 @@ try:
     VERSION = metadata.version("sluice")
 except metadata.PackageNotFoundError:  # running from a source tree without installing
     VERSION = "0+unknown"
+
+
+def _tokens_per_s(wc: WorkerContext) -> float:
+    """Tokens per second since the previous beat (``status`` shows it per worker)."""
+    now = time.monotonic()
+    at, tokens = wc.rate_mark
+    wc.rate_mark = (now, wc.generated)
+    return max(wc.generated - tokens, 0) / max(now - at, 1e-6)
 
 
 async def beat_once(wc: WorkerContext) -> None:
@@ -47,6 +56,10 @@ async def beat_once(wc: WorkerContext) -> None:
                 "active": len(active),
                 "version": VERSION,
                 "started": int(wc.started),
+                "device": device_of(wc),
+                "tokens_per_s": f"{_tokens_per_s(wc):.1f}",
+                "generated": wc.generated,
+                "served": wc.served,
             },
         )
         pipe.pexpire(keys.worker(wc.wid), ttl_ms)
@@ -55,7 +68,9 @@ async def beat_once(wc: WorkerContext) -> None:
         pipe.zremrangebyscore(keys.workers(), "-inf", now_ms - max(ttl_ms, 60_000))
         for job in active:
             await scripts.queue_refresh(pipe, job.rid, wc.wid, lease_ms)
+        sent = time.perf_counter()
         results = await pipe.execute(raise_on_error=False)
+        wc.metrics.redis_rtt.labels("heartbeat").observe(time.perf_counter() - sent)
     for job, result in zip(active, results[4:], strict=True):
         if isinstance(result, Exception):
             log.warning("%s: lease refresh failed: %s", job.rid, result)
@@ -67,6 +82,11 @@ async def beat_once(wc: WorkerContext) -> None:
         stuck = time.monotonic() - job.last_step > wc.settings.heartbeat_s
         if (job.lease_lost or job.cancel_requested) and stuck and job.task is not None:
             job.task.cancel()  # the publish path would see it too, but this step is stuck
+
+
+def device_of(wc: WorkerContext) -> str:
+    """What the backend runs on (``cuda:0``, ``cpu``; ``none`` for the scripted double)."""
+    return str(getattr(wc.backend, "device", "none"))
 
 
 async def heartbeat_loop(wc: WorkerContext) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.worker.backend import Backend
+from services.worker.metrics import RequestTimer, WorkerMetrics
 from services.worker.publisher import Outcome, Publisher
 from shared import keys
 from shared.codec import decode_entry, decode_job, encode_job
@@ -67,6 +68,9 @@ class WorkerContext:
     killed: bool = False  # test harness hard kill: behave like SIGKILL, publish nothing
     started: float = field(default_factory=time.time)
     served: int = 0  # requests this worker has started generating
+    generated: int = 0  # tokens this worker has published (the heartbeat derives tokens/s)
+    rate_mark: tuple[float, int] = field(default_factory=lambda: (time.monotonic(), 0))
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
 
 
 async def generate(ctx: dict[str, Any], payload: bytes) -> None:
@@ -82,7 +86,9 @@ class _Tally:
         self.token_ids: list[int] = []
         self.reasoning = 0
 
-    def add(self, events: list[AnyEvent]) -> None:
+    def add(self, events: list[AnyEvent]) -> int:
+        """Fold ``events`` in; returns how many token ids they carried."""
+        before = len(self.token_ids)
         for e in events:
             ids: list[int] = getattr(e, "token_ids", [])
             self.token_ids.extend(ids)
@@ -90,6 +96,7 @@ class _Tally:
                 self.start = e
             elif isinstance(e, ReasoningDelta | ReasoningEnd):
                 self.reasoning += len(ids)
+        return len(self.token_ids) - before
 
     def cancelled(self) -> list[AnyEvent]:
         usage = Usage(
@@ -130,14 +137,16 @@ async def run_job(wc: WorkerContext, job: Job) -> None:
     tally.add(history)
     active = ActiveJob(rid, asyncio.current_task())
     wc.active[rid] = active
+    attempt = int(attempts or 0) + 1
+    timer = wc.metrics.request(job.model, job.created, attempt)
     try:
         if cancel_flag:
             await pub.ensure_terminal(lambda: _cancelled_before(tally, history))
         else:
-            attempt = int(attempts or 0) + 1
-            await _drive(wc, job, pub, tally, attempt, active)
+            await _drive(wc, job, pub, tally, timer, active)
     finally:
         wc.active.pop(rid, None)
+        timer.done(pub.terminal)
         if not wc.killed:
             await asyncio.shield(_settle(wc, pub, finished=pub.terminal is not None))
 
@@ -180,19 +189,24 @@ async def _drive(
     job: Job,
     pub: Publisher,
     tally: _Tally,
-    attempt: int,
+    timer: RequestTimer,
     active: ActiveJob,
 ) -> None:
     """Pump the backend's batches into the publisher until a terminal event or a stop."""
     resumed_start = tally.start is not None
-    stream = wc.backend.generate(job, list(tally.token_ids), attempt)
+    stream = wc.backend.generate(job, list(tally.token_ids), timer.attempt)
     outcome = Outcome.OK
+    rtt = wc.metrics.redis_rtt.labels("publish")
     try:
         async for batch in stream:
             if resumed_start:  # the client already has a Start: one continuous answer
                 batch = [e for e in batch if not isinstance(e, Start)]
-            tally.add(batch)
+            new_tokens = tally.add(batch)
+            sent = time.perf_counter()
             outcome = await pub.publish(batch)
+            rtt.observe(time.perf_counter() - sent)
+            wc.generated += new_tokens
+            timer.batch(batch, new_tokens)
             active.last_step = time.monotonic()
             if pub.terminal is not None or outcome is not Outcome.OK:
                 break
@@ -226,6 +240,7 @@ async def _on_shutdown(wc: WorkerContext, pub: Publisher) -> None:
     """A stopping worker hands its request to a live peer, else ends it with an Error."""
     if await _live_peers(wc):
         log.info("%s: shutting down; handing over to a peer worker", pub.rid)
+        wc.metrics.failovers.labels(wc.name, "handover").inc()
         return  # lease released in run_job's finally: a peer's sweeper continues the stream
     await pub.ensure_terminal(
         lambda: [Error(kind="worker_lost", message="the worker shut down", retryable=True)]

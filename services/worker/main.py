@@ -30,7 +30,7 @@ from arq.worker import Worker, func
 from redis.exceptions import RedisError
 
 from services.worker.backend import Backend
-from services.worker.heartbeat import beat_once, heartbeat_loop, retire
+from services.worker.heartbeat import VERSION, beat_once, device_of, heartbeat_loop, retire
 from services.worker.job_function import CTX_KEY, WorkerContext, generate
 from services.worker.recovery import sweep_loop
 from shared import keys
@@ -152,6 +152,7 @@ class RunningWorker:
 
     async def _close(self) -> None:
         self._closed = True
+        self.wc.metrics.close()
         await self.arq.aclose(close_connection_pool=True)
         await self.wc.redis.aclose()
         await self.wc.backend.stop()
@@ -172,6 +173,14 @@ async def start_worker(
     name = card.name
     wid = wid or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     wc = WorkerContext(settings=settings, redis=redis, backend=backend, name=name, wid=wid)
+    wc.metrics.bind(
+        model=name,
+        wid=wid,
+        device=device_of(wc),
+        version=VERSION,
+        running=lambda: float(len(wc.active)),
+        engine=getattr(backend, "scheduler", None),
+    )
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hset(keys.model_card(name), "card", encode_card(card))
         pipe.sadd(keys.models(), name)
@@ -202,6 +211,11 @@ async def start_worker(
         log_results=False,
     )
     log.info("worker %s serving %s (max_batch=%d)", wid, name, backend.max_batch)
+    if settings.metrics_port:
+        try:
+            wc.metrics.serve(settings.host, settings.metrics_port)
+        except OSError as exc:  # a taken port must not keep the model from serving
+            log.warning("metrics endpoint on port %d failed: %s", settings.metrics_port, exc)
     return RunningWorker(wc, arq, worker)
 
 

@@ -104,6 +104,7 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         await pub.ensure_terminal(lambda: [Error(kind="worker_lost", message=message)])
         await wc.redis.zrem(keys.inflight(wc.name), rid)
         await pub.release()
+        wc.metrics.failovers.labels(wc.name, "gave_up").inc()
         return True
     # Hold the claim until a worker starts the continuation (or the job expires unstarted).
     await wc.redis.pexpire(keys.lease(rid), int(wc.settings.job_expires_s * 1000) + lease_ms)
@@ -115,4 +116,5 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         _expires=wc.settings.job_expires_s,
     )
     log.warning("%s: worker lost; continuation %s enqueued (%s)", rid, attempt, job is not None)
+    wc.metrics.failovers.labels(wc.name, "takeover").inc()
     return True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,6 +119,8 @@ class Scheduler:
         self.vocab = int(cfg.vocab_size)
         self.max_cached_tokens = max_cached_tokens or max_batch * self.context_length
         self.reserved = 0  # sum of the admitted sequences' reservations
+        # Called from the loop thread after each decode step with (seconds, sequences).
+        self.on_step: Callable[[float, int], None] | None = None
         self.cache = KVCache(
             layers=cfg.num_layers,
             slots=max_batch,
@@ -280,6 +283,7 @@ class Scheduler:
         self._advance(seq, logits[0, -1], [start])
 
     def _decode(self, seqs: list[SequenceState]) -> None:
+        began = time.perf_counter()
         self.cache.reserve(max(s.kv_len for s in seqs) + 1)
         batch = build_batch([s.slot for s in seqs], [s.kv_len for s in seqs], 1, self.device)
         idx = torch.tensor(
@@ -291,6 +295,8 @@ class Scheduler:
         rows = logits.cpu()
         for i, seq in enumerate(seqs):
             self._advance(seq, rows[i], [])
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - began, len(seqs))
 
     # -- token choice -----------------------------------------------------------------------
 

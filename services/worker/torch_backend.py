@@ -120,6 +120,11 @@ class TorchBackend:
             starts_in_reasoning=in_reasoning,
         )
 
+    @property
+    def device(self) -> str:
+        """The torch device the model runs on (the heartbeat and metrics name it)."""
+        return str(self.loaded.device)
+
     async def start(self) -> None:
         """Start the decode loop thread."""
         self.scheduler.start()

@@ -1,14 +1,17 @@
 """Liveness and readiness probes (no auth: orchestrators call them without keys).
 
 ``/healthz`` says the process is up. ``/readyz`` says it can serve: Redis answers and at least
-one worker's heartbeat is live; otherwise 503 with what is missing.
+one worker's heartbeat is live; otherwise 503 with what is missing. ``/metrics`` is this
+process's Prometheus exposition (``services/api/metrics.py``), unauthenticated like the probes:
+it carries counts and model names, never request content.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
+from services.api.metrics import CONTENT_TYPE
 from services.api.state import get_state
 
 __all__ = ["router"]
@@ -39,3 +42,10 @@ async def readyz(request: Request) -> JSONResponse:
         {"status": "ready" if ready else "no_worker", "redis": True, "models": live},
         status_code=200 if ready else 503,
     )
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition of this API process, plus the queue gauges read from Redis."""
+    state = get_state(request)
+    return Response(await state.metrics.render(state.redis), media_type=CONTENT_TYPE)

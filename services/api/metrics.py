@@ -1,0 +1,167 @@
+"""The API process's Prometheus metrics, served at ``GET /metrics``.
+
+Every API process has its own registry (built by ``create_app``, no module globals) and is its
+own scrape target, like every worker: Prometheus adds counters and histograms up across targets
+(``sum(rate(...))``), so any number of API replicas and workers give one picture without a
+sample ever passing through Redis or a lock shared between processes. ``sluice api`` runs one
+uvicorn process; scale the API with more processes (containers), each scraped on its own.
+
+What only the API sees is counted here: HTTP requests by route and status, admission rejections
+by reason, stream resumes and replays by wire format, the stream hub's subscriptions and XREAD
+batch sizes, and the Redis round trip of admission. The request-level latencies and token counts
+are the workers' (``services/worker/metrics.py``), where each request passes exactly once.
+
+The queue gauges (``sluice_num_requests_waiting`` and friends) describe Redis, not this process:
+each scrape reads them from Redis (a few commands per model, never on a request's path), so
+every API replica reports the same values: aggregate them with ``max by (model)``, not ``sum``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shared import keys
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+__all__ = ["CONTENT_TYPE", "ApiMetrics", "format_of"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Whole HTTP requests: a rejected request takes a millisecond, a streamed answer minutes.
+HTTP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
+# Entries one XREAD returned: 1 when idle, up to the hub's COUNT under load.
+XREAD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+_FORMATS = (
+    ("/v1/chat/completions", "openai_chat"),
+    ("/v1/responses", "openai_responses"),
+    ("/v1/messages", "anthropic_messages"),
+    ("/v1/requests", "native"),
+)
+
+
+def format_of(path: str) -> str:
+    """The wire format a request path speaks (``other`` outside the generation routes)."""
+    for prefix, name in _FORMATS:
+        if path.startswith(prefix):
+            return name
+    return "other"
+
+
+class ApiMetrics:
+    """The API's metric families on one registry."""
+
+    def __init__(self) -> None:
+        """Create the families on a fresh registry."""
+        r = self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "sluice_http_requests",
+            "HTTP requests answered, by route template, method, status and wire format",
+            ["route", "method", "status", "format"],
+            registry=r,
+        )
+        self.http_duration = Histogram(
+            "sluice_http_request_duration_seconds",
+            "Time from receiving a request to the end of its response body (streams included)",
+            ["route", "format"],
+            buckets=HTTP_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "sluice_admission_rejections",
+            "Generation requests refused before enqueueing, by reason",
+            ["reason", "status"],
+            registry=r,
+        )
+        self.resumes = Counter(
+            "sluice_stream_resumes",
+            "Streams resumed after an entry (Last-Event-ID, ?after=, starting_after)",
+            ["format"],
+            registry=r,
+        )
+        self.replays = Counter(
+            "sluice_replays",
+            "Stored requests re-read through a GET route (streamed or whole), by wire format",
+            ["format"],
+            registry=r,
+        )
+        self.hub_subscriptions = Gauge(
+            "sluice_hub_subscriptions",
+            "Event-stream subscriptions open in this process's stream hub",
+            registry=r,
+        )
+        self.xread_entries = Histogram(
+            "sluice_hub_xread_entries",
+            "Stream entries returned by one hub XREAD",
+            buckets=XREAD_BUCKETS,
+            registry=r,
+        )
+        self.redis_rtt = Histogram(
+            "sluice_redis_rtt_seconds",
+            "Round-trip time of Redis calls, by operation",
+            ["op"],
+            buckets=RTT_BUCKETS,
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "sluice_num_requests_waiting",
+            "Jobs in the model's queue (read from Redis at scrape time)",
+            ["model"],
+            registry=r,
+        )
+        self.oldest_wait = Gauge(
+            "sluice_queue_oldest_wait_seconds",
+            "Age of the oldest job in the model's queue (read from Redis at scrape time)",
+            ["model"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "sluice_requests_in_flight",
+            "Requests admitted and not yet ended, queued or running (read from Redis)",
+            ["model"],
+            registry=r,
+        )
+        self.workers = Gauge(
+            "sluice_workers",
+            "Workers with a live heartbeat, by model (read from Redis at scrape time)",
+            ["model"],
+            registry=r,
+        )
+
+    async def render(self, redis: aioredis.Redis) -> bytes:
+        """Read the cluster gauges from Redis, then the exposition text of the registry."""
+        await self._read_cluster(redis)
+        return generate_latest(self.registry)
+
+    async def _read_cluster(self, redis: aioredis.Redis) -> None:
+        models = sorted(m.decode() for m in await redis.smembers(keys.models()))  # type: ignore[misc]
+        worker_ids = [w.decode() for w in await redis.zrange(keys.workers(), 0, -1)]
+        async with redis.pipeline(transaction=False) as pipe:
+            for model in models:
+                pipe.zcard(keys.queue(model))
+                pipe.zrange(keys.queue(model), 0, 0, withscores=True)
+                pipe.zcard(keys.inflight(model))
+            for wid in worker_ids:
+                pipe.hget(keys.worker(wid), "model")
+            replies = await pipe.execute()
+        live: dict[str, int] = {}
+        for served in replies[3 * len(models) :]:
+            if served is not None:  # the hash expires three beats after the last one
+                live[served.decode()] = live.get(served.decode(), 0) + 1
+        now_ms = time.time() * 1000
+        for gauge in (self.waiting, self.oldest_wait, self.in_flight, self.workers):
+            gauge.clear()  # a model whose card is gone must not linger
+        for i, model in enumerate(models):
+            depth, head, in_flight = replies[3 * i : 3 * i + 3]
+            self.waiting.labels(model).set(depth)
+            # arq scores a job with the time it may run (ms): its enqueue time here.
+            age = (now_ms - head[0][1]) / 1000 if head else 0.0
+            self.oldest_wait.labels(model).set(max(age, 0.0))
+            self.in_flight.labels(model).set(in_flight)
+            self.workers.labels(model).set(live.get(model, 0))
