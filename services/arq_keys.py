@@ -11,9 +11,14 @@ arq upgrade that moves them breaks here and nowhere else. Both services may impo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from arq.constants import in_progress_key_prefix, job_key_prefix
 
-__all__ = ["IN_PROGRESS_EXTRA_S", "in_progress", "job"]
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+__all__ = ["IN_PROGRESS_EXTRA_S", "in_progress", "job", "waiting"]
 
 IN_PROGRESS_EXTRA_S = 10  # arq's in-progress TTL is the job timeout plus this (Worker.__init__)
 
@@ -26,3 +31,23 @@ def job(job_id: str) -> str:
 def in_progress(job_id: str) -> str:
     """Set while a worker runs the job, TTL ``job_timeout + IN_PROGRESS_EXTRA_S``."""
     return in_progress_key_prefix + job_id
+
+
+async def waiting(redis: aioredis.Redis, queue_key: str) -> list[tuple[str, float]]:
+    """The jobs of a queue that no worker has picked up, oldest first, with their enqueue times.
+
+    arq leaves a running job's id in the queue until it finishes (with an in-progress marker
+    beside it), so the queue's size counts running jobs too; this skips them. One ZRANGE and
+    one pipeline of EXISTS: for scrapes and ``sluice status``, not for a request's path.
+
+    Returns:
+        ``(job id, enqueue time in unix ms)`` pairs (arq scores a job with the time it may run).
+    """
+    members = await redis.zrange(queue_key, 0, -1, withscores=True)
+    if not members:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for member, _ in members:
+            pipe.exists(in_progress(member.decode()))
+        running = await pipe.execute()
+    return [(m.decode(), score) for (m, score), r in zip(members, running, strict=True) if not r]

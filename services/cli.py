@@ -1,4 +1,4 @@
-"""The ``sluice`` command: ``api``, ``worker``, ``up`` and the log tools.
+"""The ``sluice`` command: ``api``, ``worker``, ``up``, ``status`` and the log tools.
 
 Each subcommand imports its service lazily, so ``sluice api`` never imports torch.
 """
@@ -28,6 +28,17 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None)
     up.add_argument("--host", default=None)
     up.add_argument("--port", type=int, default=None)
+    status = sub.add_parser("status", help="workers, queues and failovers, read from Redis")
+    status.add_argument("--json", action="store_true", help="one JSON object per reading")
+    status.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
     export = sub.add_parser("export", help="export a request's event log to a JSONL file")
     export.add_argument("request_id")
     export.add_argument("-o", "--output", default="-")
@@ -56,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher import run_up
 
         return run_up(settings)
+    if args.command == "status":
+        from services.status import run_status
+
+        return run_status(settings, watch=args.watch, as_json=args.json)
     from sluice_client import cli_export, cli_replay
 
     if args.command == "export":

@@ -10,6 +10,7 @@ __all__ = [
     "PREFIX",
     "cancel",
     "events",
+    "failovers",
     "hub_wake",
     "inflight",
     "lease",
@@ -86,3 +87,8 @@ def inflight(model: str) -> str:
 def hub_wake(hub_id: str) -> str:
     """An API process's private wake stream: an XADD here interrupts its blocked multi-XREAD."""
     return f"{PREFIX}:hub:{hub_id}"
+
+
+def failovers() -> str:
+    """Recent failovers (a capped list of JSON records, newest first) for ``sluice status``."""
+    return f"{PREFIX}:failovers"

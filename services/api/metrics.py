@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services import arq_keys
 from shared import keys
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class ApiMetrics:
         )
         self.waiting = Gauge(
             "sluice_num_requests_waiting",
-            "Jobs in the model's queue (read from Redis at scrape time)",
+            "Jobs in the model's queue that no worker has picked up (read from Redis at scrape)",
             ["model"],
             registry=r,
         )
@@ -142,26 +143,23 @@ class ApiMetrics:
     async def _read_cluster(self, redis: aioredis.Redis) -> None:
         models = sorted(m.decode() for m in await redis.smembers(keys.models()))  # type: ignore[misc]
         worker_ids = [w.decode() for w in await redis.zrange(keys.workers(), 0, -1)]
+        queues = [await arq_keys.waiting(redis, keys.queue(model)) for model in models]
         async with redis.pipeline(transaction=False) as pipe:
             for model in models:
-                pipe.zcard(keys.queue(model))
-                pipe.zrange(keys.queue(model), 0, 0, withscores=True)
                 pipe.zcard(keys.inflight(model))
             for wid in worker_ids:
                 pipe.hget(keys.worker(wid), "model")
             replies = await pipe.execute()
         live: dict[str, int] = {}
-        for served in replies[3 * len(models) :]:
+        for served in replies[len(models) :]:
             if served is not None:  # the hash expires three beats after the last one
                 live[served.decode()] = live.get(served.decode(), 0) + 1
         now_ms = time.time() * 1000
         for gauge in (self.waiting, self.oldest_wait, self.in_flight, self.workers):
             gauge.clear()  # a model whose card is gone must not linger
-        for i, model in enumerate(models):
-            depth, head, in_flight = replies[3 * i : 3 * i + 3]
-            self.waiting.labels(model).set(depth)
-            # arq scores a job with the time it may run (ms): its enqueue time here.
-            age = (now_ms - head[0][1]) / 1000 if head else 0.0
+        for model, queued, in_flight in zip(models, queues, replies, strict=False):
+            self.waiting.labels(model).set(len(queued))
+            age = (now_ms - queued[0][1]) / 1000 if queued else 0.0
             self.oldest_wait.labels(model).set(max(age, 0.0))
             self.in_flight.labels(model).set(in_flight)
             self.workers.labels(model).set(live.get(model, 0))

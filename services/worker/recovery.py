@@ -16,6 +16,7 @@ This replaces arq's own crash handling (re-run from scratch after ``job_timeout 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -104,7 +105,7 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         await pub.ensure_terminal(lambda: [Error(kind="worker_lost", message=message)])
         await wc.redis.zrem(keys.inflight(wc.name), rid)
         await pub.release()
-        wc.metrics.failovers.labels(wc.name, "gave_up").inc()
+        await _note_failover(wc, rid, "gave_up", attempt)
         return True
     # Hold the claim until a worker starts the continuation (or the job expires unstarted).
     await wc.redis.pexpire(keys.lease(rid), int(wc.settings.job_expires_s * 1000) + lease_ms)
@@ -116,5 +117,20 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         _expires=wc.settings.job_expires_s,
     )
     log.warning("%s: worker lost; continuation %s enqueued (%s)", rid, attempt, job is not None)
-    wc.metrics.failovers.labels(wc.name, "takeover").inc()
+    await _note_failover(wc, rid, "takeover", attempt)
     return True
+
+
+FAILOVERS_KEPT = 100  # `sluice status` shows the newest; the metric counts them all
+
+
+async def _note_failover(wc: WorkerContext, rid: str, kind: str, attempt: int) -> None:
+    """Count a failover and keep a record of it for ``sluice status`` (rare: not a hot path)."""
+    wc.metrics.failovers.labels(wc.name, kind).inc()
+    record = {"at": time.time(), "request_id": rid, "model": wc.name, "kind": kind}
+    record |= {"attempt": attempt, "by": wc.wid}
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        pipe.lpush(keys.failovers(), json.dumps(record))
+        pipe.ltrim(keys.failovers(), 0, FAILOVERS_KEPT - 1)
+        pipe.expire(keys.failovers(), wc.settings.retention_s)
+        await pipe.execute()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
+from prometheus_client import generate_latest
 
 from services.worker.main import JOB_TIMEOUT_S, arq_deserialize, arq_serialize
 from services.worker.recovery import sweep_once
@@ -21,6 +23,7 @@ from shared.protocol import JOB_FUNCTION
 from tests.integration.worker_harness import FAST_FAILOVER, running_worker
 from tests.invariants import check_stream, generated_token_ids
 from tests.job_factory import tokenize
+from tests.metrics_text import sample
 
 pytestmark = pytest.mark.integration
 
@@ -207,6 +210,7 @@ async def test_killed_worker_is_continued_seamlessly(redis: aioredis.Redis, redi
             events = await read_stream(redis, "req-lost")
             assert await submit(redis_url, make_job("req-whole", b.name))
             reference = await read_stream(redis, "req-whole")
+            exposition = generate_latest(b.running.wc.metrics.registry).decode()
     check_stream(events)
     check_stream(reference)
     assert _starts(events) == 1 and isinstance(events[-1], Finish)
@@ -214,6 +218,12 @@ async def test_killed_worker_is_continued_seamlessly(redis: aioredis.Redis, redi
     assert events[-2] == reference[-2]  # the same Usage: one continuous answer
     r: Any = redis
     assert await r.hget(keys.request("req-lost"), "attempts") == b"1"
+    # b's sweeper took the request over and b continued it: both counted, one record kept.
+    assert sample(exposition, "sluice_failovers_total", kind="takeover") == 1
+    assert sample(exposition, "sluice_failovers_total", kind="continuation") == 1
+    [record] = [json.loads(raw) for raw in await r.lrange(keys.failovers(), 0, -1)]
+    assert record["request_id"] == "req-lost" and record["kind"] == "takeover"
+    assert record["attempt"] == 2 and record["by"] == b.wid
 
 
 async def test_attempts_exhausted_ends_with_worker_lost(

@@ -36,7 +36,7 @@ def _sluice(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_every_subcommand() -> None:
     out = _sluice("--help")
     assert out.returncode == 0, out.stderr
-    for command in ("api", "worker", "up", "export", "replay"):
+    for command in ("api", "worker", "up", "status", "export", "replay"):
         assert command in out.stdout
 
 
