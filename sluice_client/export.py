@@ -83,13 +83,18 @@ def cli_export(settings: Settings, rid: str, output: str) -> int:
         output: the output path, or ``-``.
 
     Returns:
-        0 on success, 1 when there is no such stream.
+        0 on success, 1 when there is no such stream or Redis cannot be read.
     """
+    from redis.exceptions import RedisError
+
     target: str | IO[str] = sys.stdout if output == "-" else output
     try:
         count = asyncio.run(export_stream(settings.redis_url, rid, target))
     except ServiceError as exc:
         print(f"sluice export: {exc.message}", file=sys.stderr)
+        return 1
+    except (RedisError, OSError) as exc:  # one line for the operator, not a traceback
+        print(f"sluice export: cannot read Redis at {settings.redis_url}: {exc}", file=sys.stderr)
         return 1
     if output != "-":
         print(f"wrote {count} events to {output}", file=sys.stderr)

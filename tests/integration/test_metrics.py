@@ -8,7 +8,11 @@ observe each one, and the gauges go back to zero once everything has finished.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,9 +21,11 @@ import redis.asyncio as aioredis
 from shared.config import Settings
 from tests.integration.server_harness import running_api
 from tests.integration.worker_harness import WorkerHandle, running_worker
-from tests.metrics_text import sample
+from tests.metrics_text import metric_names, sample
 
 pytestmark = pytest.mark.integration
+
+MONITORING = Path(__file__).resolve().parents[2] / "ops" / "monitoring"
 
 
 def chat(model: str, *, stream: bool = False) -> dict[str, object]:
@@ -122,3 +128,33 @@ async def test_metrics_follow_a_scripted_workload(
     assert grew(a0, a1, "sluice_hub_xread_entries_sum") >= generated / 10
     assert sample(a1, "sluice_hub_subscriptions") == 0
     assert sample(a1, "sluice_num_requests_waiting", model=model) == 0
+
+
+def dashboard_metrics() -> set[str]:
+    """Every sluice metric the Grafana dashboard and the Prometheus config name."""
+    names: set[str] = set()
+    dashboard = json.loads((MONITORING / "grafana/dashboards/sluice.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            names |= set(re.findall(r"\bsluice_[a-z_]+\b", target["expr"]))
+    names |= set(re.findall(r"\bsluice_[a-z_]+\b", (MONITORING / "prometheus.yml").read_text()))
+    return names
+
+
+async def test_dashboard_uses_only_exported_metrics(
+    settings: Settings, redis: aioredis.Redis, redis_url: str
+) -> None:
+    with socket.socket() as s:  # a free port for SLUICE_METRICS_PORT, as compose sets one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    overrides = {"metrics_port": port, "host": "127.0.0.1"}
+    async with (
+        running_api(settings) as api,
+        running_worker(redis_url, "scripted:text?rate=0", overrides),
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        exported = metric_names(await scrape(client, f"{api}/metrics"))
+        exported |= metric_names(await scrape(client, f"http://127.0.0.1:{port}/metrics"))
+    used = dashboard_metrics()
+    assert len(used) > 20  # the panels really were read
+    assert used - exported == set(), "the dashboard or scrape config names unexported metrics"

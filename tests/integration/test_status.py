@@ -98,9 +98,3 @@ async def test_status_json_shows_two_workers_and_a_queued_request(
         assert "status-w1" in text.stdout and "status-w2" in text.stdout
         for rid in rids:
             await client.post(f"/v1/requests/{rid}/cancel")
-
-
-def test_status_without_redis_is_one_line() -> None:
-    out = sluice("redis://127.0.0.1:1/0", "status")
-    assert out.returncode == 1
-    assert out.stderr.count("\n") == 1 and out.stderr.startswith("sluice status: cannot read")

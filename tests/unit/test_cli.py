@@ -177,3 +177,20 @@ def test_up_leaves_a_core_to_the_api_and_redis() -> None:
     from services.launcher import worker_threads
 
     assert [worker_threads(n) for n in (1, 2, 4, 16)] == [1, 1, 3, 15]
+
+
+@pytest.mark.parametrize("command", [["export", "req_x", "-o", "-"], ["status"]])
+def test_unreachable_redis_is_one_line_not_a_traceback(command: list[str]) -> None:
+    env = {**os.environ, "SLUICE_REDIS_URL": "redis://127.0.0.1:1/0"}
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", *command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert "cannot read Redis at redis://127.0.0.1:1/0" in out.stderr
