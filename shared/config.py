@@ -47,6 +47,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kernel_dir: str | None = None  # SLUICE_KERNEL_DIR: kernel build cache (~/.cache/sluice/kernels)
     threads: int = 0  # SLUICE_THREADS: torch CPU threads (0 = torch default)
     log_level: str = "info"  # SLUICE_LOG_LEVEL
+    log_format: Literal["text", "json"] = "text"  # SLUICE_LOG_FORMAT: one line per event
+    log_content: bool = False  # SLUICE_LOG_CONTENT: may logs carry prompt and output text?
     # SLUICE_METRICS_PORT: a worker serves Prometheus metrics on http://SLUICE_HOST:port/metrics
     # (0 = off; the API always serves GET /metrics on its own port).
     metrics_port: int = 0

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 
 import uvicorn
 
 from services.api.app import create_app
+from shared import logs
 from shared.config import Settings
 
 __all__ = ["run_api"]
@@ -15,19 +15,6 @@ __all__ = ["run_api"]
 
 def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
-
-
-class _QuietProbes(logging.Filter):
-    """Drop access-log lines for health probes.
-
-    Launchers, compose and load balancers poll ``/healthz`` and ``/readyz`` several times a
-    second; logging each one buries the requests an operator is looking for.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        path = args[2] if isinstance(args, tuple) and len(args) >= 3 else ""
-        return path not in ("/healthz", "/readyz")
 
 
 def run_api(settings: Settings) -> int:
@@ -39,14 +26,16 @@ def run_api(settings: Settings) -> int:
     Returns:
         The process exit code.
     """
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logs.configure(settings)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        # uvicorn's loggers go through ours (one format), and the app writes its own access
+        # line per request (services/api/access.py: route, format, tokens, durations).
+        log_config=None,
+        access_log=False,
         # Slow SSE clients are handled by the hub's back-pressure; don't let uvicorn cut
         # long-lived streams or buffer them.
         timeout_keep_alive=30,
@@ -55,7 +44,6 @@ def run_api(settings: Settings) -> int:
         loop="uvloop" if _has("uvloop") else "asyncio",
         http="httptools" if _has("httptools") else "h11",
     )
-    server = uvicorn.Server(config)  # configures uvicorn's loggers, so filter after it
-    logging.getLogger("uvicorn.access").addFilter(_QuietProbes())
+    server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from services.api import access
-from shared import keys
+from shared import keys, logs
 from shared.codec import encode_job
 from shared.errors import (
     ContextOverflow,
@@ -104,6 +104,7 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
     tokenized = Job.of(request, prompt_token_ids=prompt_ids, prompt_text=rendered.text)
     if (rec := access.record()) is not None:
         rec.request_id, rec.model = rid, job.model
+    logs.bind(request_id=rid, model=job.model)
     sent = time.perf_counter()
     await _store(state, tokenized)
     payload = encode_job(tokenized)

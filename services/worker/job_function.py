@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from services.worker.backend import Backend
 from services.worker.metrics import RequestTimer, WorkerMetrics
 from services.worker.publisher import Outcome, Publisher
-from shared import keys
+from shared import keys, logs
 from shared.codec import decode_entry, decode_job, encode_job
 from shared.config import Settings
 from shared.errors import ContextOverflow, InvalidRequest, Overloaded
@@ -31,6 +31,7 @@ from shared.events import (
     ReasoningDelta,
     ReasoningEnd,
     Start,
+    TextDelta,
     Usage,
     is_terminal,
 )
@@ -52,6 +53,7 @@ class ActiveJob:
     cancel_requested: bool = False  # the heartbeat saw the cancel flag while the step was slow
     lease_lost: bool = False  # the heartbeat found another owner on the lease
     last_step: float = field(default_factory=time.monotonic)  # when the last batch went out
+    began: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -81,10 +83,11 @@ async def generate(ctx: dict[str, Any], payload: bytes) -> None:
 class _Tally:
     """Counts what the stream holds, for the Usage of a cancelled request."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_text: bool = False) -> None:
         self.start: Start | None = None
         self.token_ids: list[int] = []
         self.reasoning = 0
+        self.text: list[str] | None = [] if keep_text else None  # SLUICE_LOG_CONTENT only
 
     def add(self, events: list[AnyEvent]) -> int:
         """Fold ``events`` in; returns how many token ids they carried."""
@@ -96,6 +99,8 @@ class _Tally:
                 self.start = e
             elif isinstance(e, ReasoningDelta | ReasoningEnd):
                 self.reasoning += len(ids)
+            if self.text is not None and isinstance(e, TextDelta):
+                self.text.append(e.text)
         return len(self.token_ids) - before
 
     def cancelled(self) -> list[AnyEvent]:
@@ -122,8 +127,11 @@ def _error_event(exc: BaseException) -> Error:
 async def run_job(wc: WorkerContext, job: Job) -> None:
     """Generate ``job`` onto its stream (idempotent; resumes a lost worker's partial output)."""
     rid = job.request_id
+    logs.bind(request_id=rid, model=job.model)
     pub = Publisher(wc.redis, rid, wc.wid, wc.settings)
     entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
+    attempt = int(attempts or 0) + 1
+    logs.bind(attempt=attempt)
     history = [decode_entry(fields) for _, fields in entries]
     if history and is_terminal(history[-1]):
         log.info("%s: already finished; duplicate job ignored", rid)
@@ -133,12 +141,12 @@ async def run_job(wc: WorkerContext, job: Job) -> None:
         log.warning("%s: another worker holds the lease; not generating", rid)
         return
     wc.served += 1
-    tally = _Tally()
+    tally = _Tally(keep_text=logs.content_enabled())
     tally.add(history)
     active = ActiveJob(rid, asyncio.current_task())
     wc.active[rid] = active
-    attempt = int(attempts or 0) + 1
     timer = wc.metrics.request(job.model, job.created, attempt)
+    _log_start(job, len(tally.token_ids))
     try:
         if cancel_flag:
             await pub.ensure_terminal(lambda: _cancelled_before(tally, history))
@@ -147,8 +155,34 @@ async def run_job(wc: WorkerContext, job: Job) -> None:
     finally:
         wc.active.pop(rid, None)
         timer.done(pub.terminal)
+        _log_end(pub.terminal, tally, active)
         if not wc.killed:
             await asyncio.shield(_settle(wc, pub, finished=pub.terminal is not None))
+
+
+def _log_start(job: Job, resumed_tokens: int) -> None:
+    fields: dict[str, object] = {"prompt_tokens": len(job.prompt_token_ids)}
+    if resumed_tokens:
+        fields["resumed_tokens"] = resumed_tokens
+    if logs.content_enabled():
+        fields["prompt"] = job.prompt_text
+    log.info("generation started", extra={"fields": fields})
+
+
+def _log_end(terminal: AnyEvent | None, tally: _Tally, active: ActiveJob) -> None:
+    fields: dict[str, object] = {
+        "output_tokens": len(tally.token_ids),
+        "duration_ms": round((time.monotonic() - active.began) * 1000, 1),
+    }
+    if isinstance(terminal, Finish):
+        fields["finish_reason"] = terminal.reason
+    elif isinstance(terminal, Error):
+        fields["error"] = terminal.kind
+    else:
+        fields["outcome"] = "left unfinished (handed over or lost)"
+    if tally.text is not None:
+        fields["output"] = "".join(tally.text)
+    log.info("generation ended", extra={"fields": fields})
 
 
 async def _open(wc: WorkerContext, job: Job, pub: Publisher) -> list[Any]:

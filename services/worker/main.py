@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from services.worker.backend import Backend
 from services.worker.heartbeat import VERSION, beat_once, device_of, heartbeat_loop, retire
 from services.worker.job_function import CTX_KEY, WorkerContext, generate
 from services.worker.recovery import sweep_loop
-from shared import keys
+from shared import keys, logs
 from shared.config import Settings
 from shared.model_card import encode_card
 from shared.protocol import JOB_FUNCTION
@@ -103,10 +104,17 @@ class RunningWorker:
         self.wc = wc
         self.arq = arq
         self.worker = worker
-        self.main_task = asyncio.create_task(worker.async_run(), name=f"arq-{wc.wid}")
+        # Every line this worker's tasks log names it (several workers share a test process).
+        ctx = contextvars.copy_context()
+        ctx.run(logs.bind, worker=wc.wid, model=wc.name)
+        self.main_task = asyncio.create_task(
+            worker.async_run(), name=f"arq-{wc.wid}", context=ctx.copy()
+        )
         self._loops = [
-            asyncio.create_task(heartbeat_loop(wc), name=f"heartbeat-{wc.wid}"),
-            asyncio.create_task(sweep_loop(wc, arq, JOB_TIMEOUT_S), name=f"sweep-{wc.wid}"),
+            asyncio.create_task(heartbeat_loop(wc), name=f"beat-{wc.wid}", context=ctx.copy()),
+            asyncio.create_task(
+                sweep_loop(wc, arq, JOB_TIMEOUT_S), name=f"sweep-{wc.wid}", context=ctx.copy()
+            ),
         ]
         self._closed = False
 
@@ -221,9 +229,7 @@ async def start_worker(
 
 def run_worker(settings: Settings, model_spec: str, name: str | None) -> int:
     """Serve ``model_spec`` until SIGTERM/SIGINT; exit code 2 when the model cannot load."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logs.configure(settings)
     try:
         backend = load_backend(settings, model_spec, name)
     except Exception as exc:  # one clear line for the operator, no traceback
