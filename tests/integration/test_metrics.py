@@ -136,8 +136,8 @@ def dashboard_metrics() -> set[str]:
     dashboard = json.loads((MONITORING / "grafana/dashboards/sluice.json").read_text())
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            names |= set(re.findall(r"\bsluice_[a-z_]+\b", target["expr"]))
-    names |= set(re.findall(r"\bsluice_[a-z_]+\b", (MONITORING / "prometheus.yml").read_text()))
+            names |= set(re.findall(r"\bsluice_[a-z0-9_]+\b", target["expr"]))
+    names |= set(re.findall(r"\bsluice_[a-z0-9_]+\b", (MONITORING / "prometheus.yml").read_text()))
     return names
 
 
