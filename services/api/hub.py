@@ -11,9 +11,8 @@ Back-pressure: a subscriber whose buffer passes ``high_water`` is paused; its ke
 XREAD (unless another subscriber of the same key is keeping up) and its cursor stays where it was,
 so a slow client costs nothing but its own buffer and never stalls anyone else. When it drains
 below ``low_water`` it resumes from its cursor. Because the stream is a durable log, a lost Redis
-connection is retried from the same cursors without losing or repeating entries.
-
-This module owns no key names beyond the wake stream and never decodes events.
+connection is retried from the same cursors without losing or repeating entries. This module
+owns no key names beyond the wake stream and never decodes events.
 """
 
 from __future__ import annotations
