@@ -83,6 +83,13 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.prefill_time = Histogram(
+            "sluice_request_prefill_time_seconds",
+            "A worker picking up the job to its first token (prefill, and any wait in the engine)",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens", "Prompt tokens of started requests", m, registry=r
         )
@@ -221,13 +228,14 @@ class WorkerMetrics:
 class RequestTimer:
     """Observes one request's latencies and counts as its batches are published."""
 
-    __slots__ = ("_created", "_first", "_gen", "_last", "_m", "_model", "attempt")
+    __slots__ = ("_created", "_first", "_gen", "_last", "_m", "_model", "_picked", "attempt")
 
     def __init__(self, m: WorkerMetrics, model: str, created: float, attempt: int) -> None:
         """Start timing at pickup; the queue time is observed now (first attempts only)."""
         self._m, self._model, self._created, self.attempt = m, model, created, attempt
         self._first = attempt > 1  # a continuation's first token is not the request's
         self._last = 0.0
+        self._picked = time.perf_counter()
         self._gen = m.generation_tokens.labels(model)
         if attempt > 1:
             m.failovers.labels(model, "continuation").inc()
@@ -241,6 +249,7 @@ class RequestTimer:
             self._gen.inc(new_tokens)
             if not self._first:
                 self._first = True
+                self._m.prefill_time.labels(self._model).observe(now - self._picked)
                 if self._created > 0:
                     self._m.ttft.labels(self._model).observe(max(time.time() - self._created, 0))
             elif self._last:

@@ -104,6 +104,7 @@ async def test_metrics_follow_a_scripted_workload(
         "sluice_time_to_first_token_seconds",
         "sluice_e2e_request_latency_seconds",
         "sluice_request_queue_time_seconds",
+        "sluice_request_prefill_time_seconds",
     ):
         assert grew(w0, w1, f"{hist}_count", **m) == 4, hist
         assert grew(w0, w1, f"{hist}_sum", **m) > 0, hist

@@ -250,3 +250,43 @@ async def test_forced_eos_min_tokens_and_ignore_eos() -> None:
     assert 2 not in generated_token_ids(at_least)[:6]
     assert isinstance(ignoring[-1], Finish) and ignoring[-1].reason == "max_tokens"
     assert 2 not in generated_token_ids(ignoring)
+
+
+async def test_engine_metrics_observe_steps_and_return_to_idle(tiny_dir: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from services.worker.metrics import WorkerMetrics
+    from tests.metrics_text import sample
+
+    b = TorchBackend(load_model(str(tiny_dir)), max_batch=4)
+    metrics = WorkerMetrics()
+    metrics.bind(
+        model="tiny", wid="w", device=b.device, version="t", running=lambda: 0.0, engine=b.scheduler
+    )
+    kv_while_running: list[float] = []
+
+    async def one(rid: str) -> list[AnyEvent]:
+        events: list[AnyEvent] = []
+        async for batch in b.generate(
+            as_job(job(rid=rid, max_tokens=8, ignore_eos=True), b), [], 1
+        ):
+            kv_while_running.append(sample(generate_latest(metrics.registry).decode(),
+                                           "sluice_kv_cache_usage_perc", model="tiny"))  # fmt: skip
+            events.extend(batch)
+        return events
+
+    await b.start()
+    try:
+        streams = await asyncio.gather(one("a"), one("b"), one("c"))
+    finally:
+        await b.stop()
+    text = generate_latest(metrics.registry).decode()
+    decoded = sum(len(generated_token_ids(s)) for s in streams) - 3  # first tokens: prefill
+    assert sample(text, "sluice_decode_batch_size_sum", model="tiny") == decoded
+    steps = sample(text, "sluice_decode_step_seconds_count", model="tiny")
+    assert 0 < steps <= decoded  # batched: fewer steps than decoded tokens when they overlap
+    assert sample(text, "sluice_decode_step_seconds_sum", model="tiny") > 0
+    assert max(kv_while_running) > 0
+    assert sample(text, "sluice_kv_cache_usage_perc", model="tiny") == 0  # idle again
+    assert sample(text, "sluice_num_requests_waiting_engine", model="tiny") == 0
+    assert sample(text, "sluice_worker_info", device="cpu") == 1
