@@ -82,6 +82,9 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
             f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the messages, {wanted} in "
             "the completion). Please reduce the length of the messages or completion.",
             param="messages",
+            prompt_tokens=len(prompt_ids),
+            max_tokens=wanted,
+            context_length=context,
         )
     queue = keys.queue(job.model)
     queued = await state.redis.zcard(queue)
