@@ -31,9 +31,11 @@ router = APIRouter()
 _CANCEL_WAIT_S = 5.0  # how long POST .../cancel waits for the worker to acknowledge
 
 
-def _json(obj: object, rid: str) -> Response:
+def _json(obj: object, rid: str, headers: dict[str, str] | None = None) -> Response:
     return Response(
-        msgspec.json.encode(obj), media_type="application/json", headers={"x-request-id": rid}
+        msgspec.json.encode(obj),
+        media_type="application/json",
+        headers={"x-request-id": rid, **(headers or {})},
     )
 
 
@@ -55,18 +57,22 @@ async def create_response(request: Request) -> Response:
         req, rid, 0
     )  # built before submit: every check passes before enqueueing
     job = await submit(state, job, owner=owner)
+    headers = {"x-request-id": rid}
+    ignored = openai_responses.tool_set(req).ignored
+    if ignored:  # hosted tools were accepted but not offered to the model: say which
+        headers[openai_responses.IGNORED_TOOLS_HEADER] = ",".join(ignored)
     echo = msgspec.structs.replace(echo, created_at=int(job.created))
     if echo.store:
         await responses_store.save(state, owner, echo)
     if echo.background:  # generation goes on without this connection; GET reads it later
-        return _json(msgspec.structs.replace(echo, status="queued"), rid)
+        return _json(msgspec.structs.replace(echo, status="queued"), rid, headers)
     if req.stream:
         projector = openai_responses.Projector(openai_responses.Context(skeleton=echo))
-        return sse_response(state, request, rid, projector, headers={"x-request-id": rid})
+        return sse_response(state, request, rid, projector, headers=headers)
     completion = fold(await collect_events(state, request, rid))
     if completion.error is not None and completion.start is None:
         raise service_error(completion.error)  # rejected before generation: an HTTP error
-    return _json(openai_responses.render(completion, echo), rid)
+    return _json(openai_responses.render(completion, echo), rid, headers)
 
 
 @router.get("/v1/responses/{response_id}")

@@ -15,10 +15,13 @@ from services.api.wire.openai_responses.request import (
     input_messages,
     parse_request,
     skeleton,
+    tool_set,
 )
+from services.api.wire.openai_responses.tools import IGNORED_TOOLS_HEADER
 from services.api.wire.openai_responses.types import Context, Response
 
 __all__ = [
+    "IGNORED_TOOLS_HEADER",
     "Context",
     "Projector",
     "Response",
@@ -28,4 +31,5 @@ __all__ = [
     "parse_request",
     "render",
     "skeleton",
+    "tool_set",
 ]

@@ -9,12 +9,14 @@ Foreign ``encrypted_content`` on reasoning items is accepted and ignored. Pure: 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
 
 from services.api.wire.common import JsonObject, error_location
+from services.api.wire.openai_responses.tools import CUSTOM_INPUT, exposed_name
 from shared.errors import InvalidRequest
 from shared.jobs import Message, TextPart, ToolCall
 
@@ -36,6 +38,26 @@ class _FunctionCallIn(msgspec.Struct, kw_only=True):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
+
+
+class _CustomCallIn(msgspec.Struct, kw_only=True):
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
+
+
+class _ToolSearchCallIn(msgspec.Struct, kw_only=True):
+    call_id: str | None = None
+    id: str | None = None
+    arguments: object = None
+
+
+class _ToolSearchOutputIn(msgspec.Struct, kw_only=True):
+    call_id: str | None = None
+    id: str | None = None
+    tools: list[JsonObject] = []
 
 
 class _FunctionCallOutputIn(msgspec.Struct, kw_only=True):
@@ -166,13 +188,37 @@ def _add_item(conv: _Conversation, kind: object, item: JsonObject, where: str) -
             conv.append(Message(role=role, content=[TextPart(text=text)]))
     elif kind == "function_call":
         fc = msgspec.convert(item, _FunctionCallIn)
-        conv.call(ToolCall(id=fc.call_id, name=fc.name, arguments=fc.arguments))
-    elif kind == "function_call_output":
+        name = exposed_name(fc.name, fc.namespace)
+        conv.call(ToolCall(id=fc.call_id, name=name, arguments=fc.arguments))
+    elif kind == "custom_tool_call":
+        # Replayed the way the model was offered it: a function of one ``input`` string.
+        cc = msgspec.convert(item, _CustomCallIn)
+        arguments = json.dumps({CUSTOM_INPUT: cc.input}, ensure_ascii=False)
+        name = exposed_name(cc.name, cc.namespace)
+        conv.call(ToolCall(id=cc.call_id, name=name, arguments=arguments))
+    elif kind == "tool_search_call":
+        ts = msgspec.convert(item, _ToolSearchCallIn)
+        arguments = json.dumps(ts.arguments if ts.arguments is not None else {})
+        conv.call(ToolCall(id=ts.call_id or ts.id or "", name="tool_search", arguments=arguments))
+    elif kind == "tool_search_output":
+        found = msgspec.convert(item, _ToolSearchOutputIn)
+        call_id = found.call_id or found.id or ""
+        text = json.dumps(found.tools, ensure_ascii=False)
+        conv.append(
+            Message(
+                role="tool", content=[TextPart(text=text)], tool_call_id=call_id, name="tool_search"
+            )
+        )
+    elif kind in ("function_call_output", "custom_tool_call_output"):
         out = msgspec.convert(item, _FunctionCallOutputIn)
         text = _content_text(out.output, f"{where}.output")
-        name = conv.call_names.get(out.call_id)
         conv.append(
-            Message(role="tool", content=[TextPart(text=text)], tool_call_id=out.call_id, name=name)
+            Message(
+                role="tool",
+                content=[TextPart(text=text)],
+                tool_call_id=out.call_id,
+                name=conv.call_names.get(out.call_id),
+            )
         )
     elif kind == "reasoning":
         rs = msgspec.convert(item, _ReasoningIn)
@@ -183,6 +229,7 @@ def _add_item(conv: _Conversation, kind: object, item: JsonObject, where: str) -
     else:
         raise InvalidRequest(
             f"Input item type {kind!r} is not supported; use message, function_call, "
-            "function_call_output or reasoning items",
+            "function_call_output, custom_tool_call(_output), tool_search_call/output or "
+            "reasoning items",
             param=f"{where}.type",
         )

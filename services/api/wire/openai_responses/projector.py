@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from typing import assert_never
 
+from services.api.wire.openai_responses.call_types import (
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+)
 from services.api.wire.openai_responses.render import (
     ItemKind,
     build_item,
+    call_item_id,
     final_response,
     item_id,
     logprobs_out,
     terminal_status,
 )
+from services.api.wire.openai_responses.tools import Route, custom_input, routes
 from services.api.wire.openai_responses.types import (
     ContentPartAdded,
     ContentPartDone,
@@ -63,8 +69,15 @@ __all__ = ["Projector"]
 class _OpenItem:
     """The item being streamed; it stays open until an event of another kind (or the end)."""
 
-    def __init__(self, kind: ItemKind, iid: str, index: int, call: ToolCallStart | None) -> None:
-        self.kind, self.id, self.index, self.call = kind, iid, index, call
+    def __init__(
+        self,
+        kind: ItemKind,
+        iid: str,
+        index: int,
+        call: ToolCallStart | None,
+        route: Route | None = None,
+    ) -> None:
+        self.kind, self.id, self.index, self.call, self.route = kind, iid, index, call, route
         self.text = ""
         self.logprobs: list[Logprob] = []
         self.accepting = True  # False after ReasoningEnd / ToolCallEnd: the next delta is new
@@ -90,6 +103,7 @@ class Projector:
         self._items: list[OutputItem] = []
         self._open: _OpenItem | None = None
         self._usage: Usage | None = None
+        self._routes = routes(ctx.skeleton.tools)
 
     def feed(self, event: AnyEvent) -> list[Frame]:
         """Project one event.
@@ -140,6 +154,8 @@ class Projector:
                 call = self._open
                 if call is not None and call.kind == "function_call":
                     call.text += event.fragment
+                    if call.route is not None and call.route.kind != "function":
+                        return  # freeform input and search arguments arrive whole at the end
                     delta = FunctionCallArgumentsDelta(
                         call.id, call.index, event.fragment, self._n()
                     )
@@ -180,10 +196,16 @@ class Projector:
             return item
         self._close_item(out, "completed")
         index = len(self._items)
-        item = _OpenItem(kind, item_id(self._ctx.skeleton.id, kind, index), index, call)
+        route = self._routes.get(call.name) if call is not None else None
+        iid = (
+            call_item_id(self._ctx.skeleton.id, route, index)
+            if kind == "function_call"
+            else item_id(self._ctx.skeleton.id, kind, index)
+        )
+        item = _OpenItem(kind, iid, index, call, route)
         self._open = item
         if kind == "function_call":
-            added = build_item(kind, item.id, "in_progress", "", [], call)
+            added = build_item(kind, item.id, "in_progress", "", [], call, route)
         elif kind == "message":
             added = MessageItem(id=item.id, status="in_progress")
         else:
@@ -198,7 +220,9 @@ class Projector:
         item, self._open = self._open, None
         if item is None:
             return
-        final = build_item(item.kind, item.id, status, item.text, item.logprobs, item.call)
+        final = build_item(
+            item.kind, item.id, status, item.text, item.logprobs, item.call, item.route
+        )
         n = self._n
         if item.kind == "message":
             part: OutputText | ReasoningText = OutputText(text=item.text, logprobs=item.logprobs)
@@ -208,11 +232,14 @@ class Projector:
             part = ReasoningText(text=item.text)
             out.append(ReasoningTextDone(item.id, item.index, 0, item.text, n()))
             out.append(ContentPartDone(item.id, item.index, 0, part, n()))
-        else:
+        elif item.route is not None and item.route.kind == "custom":
+            text = custom_input(item.text)
+            out.append(CustomToolCallInputDelta(item.id, item.index, text, n()))
+            out.append(CustomToolCallInputDone(item.id, item.index, text, n()))
+        elif item.route is None or item.route.kind == "function":
             assert item.call is not None
-            out.append(
-                FunctionCallArgumentsDone(item.id, item.index, item.call.name, item.text, n())
-            )
+            name = item.route.name if item.route is not None else item.call.name
+            out.append(FunctionCallArgumentsDone(item.id, item.index, name, item.text, n()))
         out.append(OutputItemDone(item.index, final, n()))
         self._items.append(final)
 

@@ -12,6 +12,8 @@ from typing import Literal, assert_never
 
 import msgspec
 
+from services.api.wire.openai_responses.call_types import CustomToolCallItem, ToolSearchCallItem
+from services.api.wire.openai_responses.tools import Route, call_arguments, custom_input, routes
 from services.api.wire.openai_responses.types import (
     FunctionCallItem,
     IncompleteDetails,
@@ -36,6 +38,7 @@ from shared.events import Error, Finish, TokenLogprob, ToolCallStart, Usage
 __all__ = [
     "ItemKind",
     "build_item",
+    "call_item_id",
     "final_response",
     "item_id",
     "logprobs_out",
@@ -61,6 +64,24 @@ def item_id(response_id: str, kind: ItemKind, output_index: int) -> str:
         e.g. ``msg_<response suffix>_0``.
     """
     return f"{_PREFIX[kind]}_{response_id.removeprefix('resp_')}_{output_index}"
+
+
+_CALL_PREFIX = {"function": "fc", "custom": "ctc", "tool_search": "tsc"}
+
+
+def call_item_id(response_id: str, route: Route | None, output_index: int) -> str:
+    """The deterministic id of a call item, prefixed as OpenAI prefixes its kind.
+
+    Args:
+        response_id: ``resp_...``.
+        route: the called tool's route (None: an undeclared name, rendered as a function).
+        output_index: the item's position in ``output``.
+
+    Returns:
+        e.g. ``fc_<response suffix>_2`` or ``ctc_<response suffix>_2``.
+    """
+    prefix = _CALL_PREFIX[route.kind if route is not None else "function"]
+    return f"{prefix}_{response_id.removeprefix('resp_')}_{output_index}"
 
 
 def _call_id(call_id: str) -> str:
@@ -171,6 +192,7 @@ def build_item(
     text: str,
     logprobs: list[Logprob],
     call: ToolCallStart | None,
+    route: Route | None = None,
 ) -> OutputItem:
     """One output item of ``kind`` in ``status``.
 
@@ -181,6 +203,8 @@ def build_item(
         text: the message or reasoning text, or the call's arguments.
         logprobs: a message's token logprobs.
         call: the ``ToolCallStart`` of a function call (None otherwise).
+        route: how the called tool maps back onto the wire (custom and tool-search calls
+            become their own item types, namespaced ones carry ``namespace``).
 
     Returns:
         The item.
@@ -192,8 +216,26 @@ def build_item(
     if kind == "reasoning":
         return ReasoningItem(id=iid, status=status, content=[ReasoningText(text=text)])
     assert call is not None
+    call_id = _call_id(call.call_id)
+    if route is not None and route.kind == "custom":
+        return CustomToolCallItem(
+            id=iid,
+            status=status,
+            call_id=call_id,
+            input=custom_input(text) if text else "",
+            name=route.name,
+            namespace=route.namespace,
+        )
+    if route is not None and route.kind == "tool_search":
+        arguments = call_arguments(text) if text else {}
+        return ToolSearchCallItem(id=iid, status=status, arguments=arguments, call_id=call_id)
     return FunctionCallItem(
-        id=iid, status=status, arguments=text, call_id=_call_id(call.call_id), name=call.name
+        id=iid,
+        status=status,
+        arguments=text,
+        call_id=call_id,
+        name=route.name if route is not None else call.name,
+        namespace=route.namespace if route is not None else None,
     )
 
 
@@ -209,6 +251,7 @@ def render(completion: Completion, skeleton: Response) -> Response:
         ``in_progress`` while it has not ended.
     """
     status, _ = terminal_status(completion.finish, completion.error)
+    tool_routes = routes(skeleton.tools)
     output: list[OutputItem] = []
     for index, block in enumerate(completion.blocks):
         last = index == len(completion.blocks) - 1
@@ -226,10 +269,11 @@ def render(completion: Completion, skeleton: Response) -> Response:
                 iid = item_id(skeleton.id, "reasoning", index)
                 output.append(build_item("reasoning", iid, item_status, block.text, [], None))
             case ToolCallBlock():
-                iid = item_id(skeleton.id, "function_call", index)
+                route = tool_routes.get(block.name)
+                iid = call_item_id(skeleton.id, route, index)
                 call = ToolCallStart(index=block.index, call_id=block.call_id, name=block.name)
                 output.append(
-                    build_item("function_call", iid, item_status, block.arguments, [], call)
+                    build_item("function_call", iid, item_status, block.arguments, [], call, route)
                 )
             case _:
                 assert_never(block)

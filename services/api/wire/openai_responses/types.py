@@ -12,6 +12,13 @@ from typing import Literal
 
 import msgspec
 
+from services.api.wire.openai_responses.call_types import (
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+    CustomToolCallItem,
+    ToolSearchCallItem,
+)
+
 __all__ = [
     "ContentPartAdded",
     "ContentPartDone",
@@ -52,6 +59,7 @@ __all__ = [
     "TopLogprob",
 ]
 
+_Json = dict[str, object]  # (the Response's ``object`` field shadows the builtin in its body)
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 ResponseStatus = Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
 
@@ -114,17 +122,25 @@ class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning", kw_only=T
     content: list[ReasoningText] = []
 
 
-class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call", kw_only=True):
-    """A function call output item: ``id`` is the item (``fc_``), ``call_id`` the call."""
+class FunctionCallItem(
+    msgspec.Struct, tag_field="type", tag="function_call", kw_only=True, omit_defaults=True
+):
+    """A function call output item: ``id`` is the item (``fc_``), ``call_id`` the call.
+
+    Only ``namespace`` has a default, so only it is left out when unset, as OpenAI does.
+    """
 
     id: str
     status: ItemStatus
-    arguments: str = ""
+    arguments: str
     call_id: str
     name: str
+    namespace: str | None = None  # set for a tool declared inside a ``namespace`` tool
 
 
-OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+OutputItem = (
+    MessageItem | ReasoningItem | FunctionCallItem | CustomToolCallItem | ToolSearchCallItem
+)
 
 
 class FunctionTool(msgspec.Struct, tag_field="type", tag="function", kw_only=True):
@@ -217,8 +233,8 @@ class Response(msgspec.Struct, kw_only=True):
     store: bool = True
     temperature: float | None = None
     text: TextConfig = msgspec.field(default_factory=TextConfig)
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
-    tools: list[FunctionTool] = []
+    tool_choice: str | _Json = "auto"  # echoed as sent
+    tools: list[_Json] = []  # echoed as sent, hosted tools included
     top_p: float | None = None
     truncation: Literal["disabled", "auto"] = "disabled"
     usage: ResponseUsage | None = None
@@ -363,6 +379,8 @@ StreamEvent = (
     | ReasoningTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
+    | CustomToolCallInputDelta
+    | CustomToolCallInputDone
     | ErrorEvent
 )
 
