@@ -234,3 +234,24 @@ async def test_models_list_parses_in_the_anthropic_sdk_and_head_probe(
     assert [m.id for m in listed] == ["tiny-test"]
     assert listed[0].display_name and listed[0].created_at.year >= 2023
     assert (await http.head("/")).status_code == 200
+
+
+async def test_server_tools_are_accepted_and_named_in_a_header(
+    api: str, tiny_model: ModelCard
+) -> None:
+    tools = [
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+        {"name": "f", "input_schema": {"type": "object"}},
+    ]
+    body = {"model": "tiny-test", "max_tokens": 5, "messages": MESSAGES, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=api) as http_client,
+        http_client.stream("POST", "/v1/messages", json={**body, "tools": tools}) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["x-sluice-ignored-tools"] == "web_search"
+    forced = {**body, "tools": tools, "tool_choice": {"type": "tool", "name": "web_search"}}
+    async with httpx.AsyncClient(base_url=api) as http_client:
+        rejected = await http_client.post("/v1/messages", json=forced)
+    assert rejected.status_code == 400
+    assert rejected.json()["error"]["type"] == "invalid_request_error"

@@ -23,6 +23,7 @@ from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, sse_response
 from services.api.submit import new_request_id, submit
 from services.api.wire import anthropic_messages
+from services.api.wire.common import IGNORED_TOOLS_HEADER
 from shared.accumulate import fold
 from shared.errors import InvalidRequest
 from shared.jobs import GenerateRequest
@@ -50,6 +51,9 @@ async def create_message(request: Request) -> Response:
     job = await submit(state, job, owner=owner)
     rid, ctx = job.request_id, _context(job)
     headers = {"request-id": rid}
+    ignored = anthropic_messages.ignored_tools(req)
+    if ignored:
+        headers[IGNORED_TOOLS_HEADER] = ",".join(ignored)
     if req.stream:
         projector = anthropic_messages.Projector(ctx)
         return sse_response(state, request, rid, projector, keepalive=_PING, headers=headers)

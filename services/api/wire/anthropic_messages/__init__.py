@@ -11,6 +11,7 @@ from services.api.wire.anthropic_messages.projector import PING, Projector
 from services.api.wire.anthropic_messages.render import render, tool_use_id
 from services.api.wire.anthropic_messages.request import (
     build_job,
+    ignored_tools,
     parse_count_tokens_request,
     parse_request,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "Projector",
     "build_job",
     "error_body",
+    "ignored_tools",
     "parse_count_tokens_request",
     "parse_request",
     "render",

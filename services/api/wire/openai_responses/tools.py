@@ -28,7 +28,7 @@ from typing import Literal, TypeVar
 
 import msgspec
 
-from services.api.wire.common import JsonObject
+from services.api.wire.common import IGNORED_TOOLS_HEADER, JsonObject
 from shared.errors import InvalidRequest
 from shared.jobs import ToolDef
 
@@ -45,7 +45,6 @@ __all__ = [
     "routes",
 ]
 
-IGNORED_TOOLS_HEADER = "x-sluice-ignored-tools"
 CUSTOM_INPUT = "input"  # the one argument a freeform tool is offered with
 
 # Tools OpenAI runs on its side; sluice has nothing to run them with.
