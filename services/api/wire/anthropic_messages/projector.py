@@ -55,6 +55,7 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
+from shared.separators import SeparatorGate
 
 __all__ = ["PING", "Projector"]
 
@@ -84,6 +85,7 @@ class Projector:
         Args:
             ctx: ids and options of the request.
         """
+        self._gate = SeparatorGate()
         self._ctx = ctx
         self._started = False
         self._done = False
@@ -92,7 +94,18 @@ class Projector:
         self._open_call: int | None = None
         self._usage: Usage | None = None
 
-    def feed(self, event: AnyEvent) -> list[Frame]:  # noqa: C901 - one flat case per event type
+    def feed(self, event: AnyEvent) -> list[Frame]:
+        """Project one event (separator whitespace dropped first, as ``fold`` drops it).
+
+        Args:
+            event: the next event of the stream.
+
+        Returns:
+            The SSE frames to send (possibly none).
+        """
+        return [frame for shown in self._gate.feed(event) for frame in self._project(shown)]
+
+    def _project(self, event: AnyEvent) -> list[Frame]:  # noqa: C901 - one flat case per event type
         """Project one event.
 
         Args:

@@ -62,6 +62,7 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
+from shared.separators import SeparatorGate
 
 __all__ = ["Projector"]
 
@@ -104,6 +105,7 @@ class Projector:
         self._open: _OpenItem | None = None
         self._usage: Usage | None = None
         self._routes = routes(ctx.skeleton.tools)
+        self._gate = SeparatorGate()
 
     def feed(self, event: AnyEvent) -> list[Frame]:
         """Project one event.
@@ -121,7 +123,8 @@ class Projector:
             self._started = True
             out.append(self._lifecycle("response.created", self._ctx.skeleton))
             out.append(self._lifecycle("response.in_progress", self._ctx.skeleton))
-        self._dispatch(event, out)
+        for shown in self._gate.feed(event):  # separator whitespace dropped, as fold drops it
+            self._dispatch(shown, out)
         return self._frames(out)
 
     def close(self) -> list[Frame]:
