@@ -43,21 +43,28 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     owner: str
     skeleton: Response
     final: Response | None = None
+    input_items: list[dict[str, object]] = []  # this request's own input, ids filled in
 
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(StoredResponse)
 
 
-async def save(state: AppState, owner: str, skeleton: Response) -> None:
+async def save(
+    state: AppState,
+    owner: str,
+    skeleton: Response,
+    input_items: list[dict[str, object]] | None = None,
+) -> None:
     """Store a new response (its request echo) for the retention period.
 
     Args:
         state: the app state.
         owner: the creating key's owner id.
         skeleton: the in-progress response; ``skeleton.id`` is the request id.
+        input_items: the request's input items (``GET .../input_items`` lists them).
     """
-    record = StoredResponse(owner=owner, skeleton=skeleton)
+    record = StoredResponse(owner=owner, skeleton=skeleton, input_items=input_items or [])
     await state.redis.set(
         keys.response(skeleton.id), _ENCODER.encode(record), ex=state.settings.retention_s
     )

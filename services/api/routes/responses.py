@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Literal
 
 import msgspec
 from fastapi import APIRouter, Request, Response
@@ -63,7 +64,8 @@ async def create_response(request: Request) -> Response:
         headers[openai_responses.IGNORED_TOOLS_HEADER] = ",".join(ignored)
     echo = msgspec.structs.replace(echo, created_at=int(job.created))
     if echo.store:
-        await responses_store.save(state, owner, echo)
+        items = openai_responses.input_items(req.input, rid)
+        await responses_store.save(state, owner, echo, items)
     if echo.background:  # generation goes on without this connection; GET reads it later
         return _json(msgspec.structs.replace(echo, status="queued"), rid, headers)
     if req.stream:
@@ -73,6 +75,44 @@ async def create_response(request: Request) -> Response:
     if completion.error is not None and completion.start is None:
         raise service_error(completion.error)  # rejected before generation: an HTTP error
     return _json(openai_responses.render(completion, echo), rid, headers)
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(request: Request) -> Response:
+    """Count the input tokens a create request would use, with the model's template."""
+    state = get_state(request)
+    owner = await authenticate(request)
+    req = openai_responses.parse_request(await request.body())
+    history = []
+    if req.previous_response_id is not None:
+        history = await responses_store.conversation(state, req.previous_response_id, owner)
+    conversation = openai_responses.input_messages(req, history)
+    job = openai_responses.build_job(
+        req, request_id=new_request_id("resp"), conversation=conversation, owner=owner, created=0
+    )
+    loaded = await state.cards.get(job.model)
+    try:
+        count = await asyncio.to_thread(loaded.renderer.count_tokens, job)
+    except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
+        raise InvalidRequest(f"could not render the conversation: {exc}", param="input") from exc
+    body = {"object": "response.input_tokens", "input_tokens": count}
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    request: Request,
+    response_id: str,
+    after: str | None = None,
+    limit: int = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> Response:
+    """List the input items of a stored response (``client.responses.input_items.list``)."""
+    state = get_state(request)
+    owner = await authenticate(request)
+    record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
+    body = openai_responses.page(record.input_items, order=order, after=after, limit=limit)
+    return _json(body, response_id)
 
 
 @router.get("/v1/responses/{response_id}")

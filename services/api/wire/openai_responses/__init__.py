@@ -7,6 +7,7 @@ and ``render`` builds the ``Response`` from the fold of the same events. Errors 
 envelope (``wire.openai_errors``).
 """
 
+from services.api.wire.openai_responses.input_list import input_items, page
 from services.api.wire.openai_responses.items import items_to_messages
 from services.api.wire.openai_responses.projector import Projector
 from services.api.wire.openai_responses.render import render
@@ -26,8 +27,10 @@ __all__ = [
     "Projector",
     "Response",
     "build_job",
+    "input_items",
     "input_messages",
     "items_to_messages",
+    "page",
     "parse_request",
     "render",
     "skeleton",
