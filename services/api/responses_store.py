@@ -16,7 +16,12 @@ import msgspec
 from services.api.ownership import REQUESTS, Stored, load_owned
 from services.api.state import AppState
 from services.api.submit import cancel
-from services.api.wire.openai_responses import Response, items_to_messages, render
+from services.api.wire.openai_responses import (
+    Response,
+    entry_seconds,
+    items_to_messages,
+    render,
+)
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry
@@ -27,6 +32,7 @@ from shared.jobs import Message
 __all__ = [
     "RESPONSES",
     "StoredResponse",
+    "completed_at",
     "conversation",
     "current",
     "delete",
@@ -112,8 +118,10 @@ async def current(state: AppState, record: StoredResponse) -> Response:
     """
     if record.final is not None:
         return record.final
-    log = await events(state, record.skeleton.id)
-    response = render(fold(log), record.skeleton)
+    entries = await state.redis.xrange(keys.events(record.skeleton.id), "-", "+")
+    log = [decode_entry(fields) for _, fields in entries]
+    ended = entry_seconds(entries[-1][0]) if log and is_terminal(log[-1]) else None
+    response = render(fold(log), record.skeleton, completed_at=ended)
     if log and is_terminal(log[-1]):
         record.final = response
         # xx: a response deleted meanwhile stays deleted; keepttl: retention counts from create.
@@ -184,3 +192,17 @@ async def conversation(state: AppState, rid: str, owner: str) -> list[Message]:
     history = job.messages[1:] if record.skeleton.instructions else job.messages
     output = [msgspec.to_builtins(item) for item in response.output]
     return items_to_messages(output, history, param="previous_response_id")
+
+
+async def completed_at(state: AppState, rid: str) -> int | None:
+    """When a finished request's terminal event was logged (None for an empty log).
+
+    Args:
+        state: the app state.
+        rid: the request id.
+
+    Returns:
+        Unix seconds of the log's last entry.
+    """
+    last = await state.redis.xrevrange(keys.events(rid), "+", "-", count=1)
+    return entry_seconds(last[0][0]) if last else None

@@ -6,11 +6,13 @@ template, so token counts are the admission's own).
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response as SdkResponse
 
 from tests.integration.worker_harness import WorkerHandle
 
@@ -68,3 +70,56 @@ async def test_unknown_routes_are_404s_naming_the_route(api: str) -> None:
             assert f"{method} {path}" in reply.json()["error"]["message"]
         missing = await http.get("/v1/responses/resp_missing/input_items")
         assert missing.status_code == 404
+
+
+# Fields of the SDK's Response that only hosted features fill (image generation, moderation,
+# prompt templates' cache diagnostics, programmatic access, input rewriting, tool usage).
+NOT_APPLICABLE = {
+    "access_programs",
+    "image",
+    "input_transformations",
+    "moderation",
+    "prompt_cache_diagnostics",
+    "prompt_cache_options",
+    "tool_usage",
+}
+
+
+async def test_the_full_response_object_everywhere(client: openai.AsyncOpenAI, api: str) -> None:
+    body = {
+        "model": MODEL,
+        "input": "hi",
+        "max_tool_calls": 3,
+        "prompt_cache_key": "thread-1",
+        "safety_identifier": "user-hash",
+        "text": {"verbosity": "low"},
+        "top_logprobs": 2,
+        "stream": True,
+    }
+    async with httpx.AsyncClient(base_url=f"{api}/v1", timeout=30) as http:
+        async with http.stream("POST", "/responses", json=body) as reply:
+            frames = [
+                json.loads(line[6:])
+                async for line in reply.aiter_lines()
+                if line.startswith("data: ")
+            ]
+        rid = frames[0]["response"]["id"]
+        stored = (await http.get(f"/responses/{rid}")).json()
+        plain = (await http.post("/responses", json={**body, "stream": False})).json()
+    expected = set(SdkResponse.model_fields) - NOT_APPLICABLE
+    lifecycle = [
+        f["response"] for f in frames if f["type"].startswith("response.") and "response" in f
+    ]
+    for response in [*lifecycle, stored, plain]:
+        assert expected <= set(response), expected - set(response)
+        assert (response["max_tool_calls"], response["prompt_cache_key"]) == (3, "thread-1")
+        assert (response["safety_identifier"], response["top_logprobs"]) == ("user-hash", 2)
+        assert response["text"]["verbosity"] == "low"
+        assert response["temperature"] == 1.0 and response["top_p"] == 1.0
+        assert response["frequency_penalty"] == 0.0 and response["presence_penalty"] == 0.0
+    assert lifecycle[0]["completed_at"] is None
+    completed = lifecycle[-1]
+    assert completed["status"] == "completed"
+    assert completed["completed_at"] == stored["completed_at"] >= completed["created_at"]
+    assert plain["completed_at"] >= plain["created_at"]
+    SdkResponse.model_validate(stored)

@@ -74,7 +74,8 @@ async def create_response(request: Request) -> Response:
     completion = fold(await collect_events(state, request, rid))
     if completion.error is not None and completion.start is None:
         raise service_error(completion.error)  # rejected before generation: an HTTP error
-    return _json(openai_responses.render(completion, echo), rid, headers)
+    ended = await responses_store.completed_at(state, rid)
+    return _json(openai_responses.render(completion, echo, completed_at=ended), rid, headers)
 
 
 @router.post("/v1/responses/input_tokens")

@@ -10,7 +10,7 @@ envelope (``wire.openai_errors``).
 from services.api.wire.openai_responses.input_list import input_items, page
 from services.api.wire.openai_responses.items import items_to_messages
 from services.api.wire.openai_responses.projector import Projector
-from services.api.wire.openai_responses.render import render
+from services.api.wire.openai_responses.render import entry_seconds, render
 from services.api.wire.openai_responses.request import (
     build_job,
     input_messages,
@@ -27,6 +27,7 @@ __all__ = [
     "Projector",
     "Response",
     "build_job",
+    "entry_seconds",
     "input_items",
     "input_messages",
     "items_to_messages",

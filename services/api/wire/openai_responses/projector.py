@@ -18,6 +18,7 @@ from services.api.wire.openai_responses.render import (
     ItemKind,
     build_item,
     call_item_id,
+    entry_seconds,
     final_response,
     item_id,
     logprobs_out,
@@ -106,6 +107,7 @@ class Projector:
         self._usage: Usage | None = None
         self._routes = routes(ctx.skeleton.tools)
         self._gate = SeparatorGate()
+        self._completed_at: int | None = None
 
     def feed(self, event: AnyEvent) -> list[Frame]:
         """Project one event.
@@ -126,6 +128,14 @@ class Projector:
         for shown in self._gate.feed(event):  # separator whitespace dropped, as fold drops it
             self._dispatch(shown, out)
         return self._frames(out)
+
+    def stamp(self, entry_id: str) -> None:
+        """Note the log entry id of the event about to be fed (its time is ``completed_at``).
+
+        Args:
+            entry_id: the Redis stream entry id.
+        """
+        self._completed_at = entry_seconds(entry_id)
 
     def close(self) -> list[Frame]:
         """Nothing follows the terminal event: the connection simply closes (Codex needs EOF).
@@ -250,7 +260,9 @@ class Projector:
         self._ended = True
         status, kind = terminal_status(finish, error)
         self._close_item(out, "completed" if status == "completed" else "incomplete")
-        final = final_response(self._ctx.skeleton, list(self._items), self._usage, finish, error)
+        final = final_response(
+            self._ctx.skeleton, list(self._items), self._usage, finish, error, self._completed_at
+        )
         if error is not None and final.error is not None:
             out.append(ErrorEvent(final.error.code, error.message, None, self._n()))
         out.append(self._lifecycle(kind, final))

@@ -39,6 +39,7 @@ __all__ = [
     "ItemKind",
     "build_item",
     "call_item_id",
+    "entry_seconds",
     "final_response",
     "item_id",
     "logprobs_out",
@@ -156,6 +157,7 @@ def final_response(
     usage: Usage | None,
     finish: Finish | None,
     error: Error | None,
+    completed_at: int | None = None,
 ) -> Response:
     """The skeleton completed with its output, usage, status and error.
 
@@ -165,6 +167,7 @@ def final_response(
         usage: the stream's ``Usage``, if any.
         finish: the stream's ``Finish``, if any.
         error: the stream's ``Error``, if any.
+        completed_at: unix seconds the terminal event was logged (kept only once it ended).
 
     Returns:
         The response as of those events.
@@ -182,6 +185,7 @@ def final_response(
             code=_ERROR_CODES.get(error.kind, "server_error"), message=error.message
         ),
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
+        completed_at=completed_at if status != "in_progress" else None,
     )
 
 
@@ -239,12 +243,15 @@ def build_item(
     )
 
 
-def render(completion: Completion, skeleton: Response) -> Response:
+def render(
+    completion: Completion, skeleton: Response, *, completed_at: int | None = None
+) -> Response:
     """Build the non-streaming response (also what GET returns) from folded events.
 
     Args:
         completion: ``fold(events)``; may be partial (still generating).
         skeleton: the request echo from ``request.skeleton``.
+        completed_at: when the terminal event was logged (``entry_seconds`` of its entry id).
 
     Returns:
         The response; the last item is ``incomplete`` when generation did not end naturally,
@@ -277,4 +284,22 @@ def render(completion: Completion, skeleton: Response) -> Response:
                 )
             case _:
                 assert_never(block)
-    return final_response(skeleton, output, completion.usage, completion.finish, completion.error)
+    return final_response(
+        skeleton, output, completion.usage, completion.finish, completion.error, completed_at
+    )
+
+
+def entry_seconds(entry_id: str | bytes) -> int:
+    """The unix second a Redis stream entry was logged at (its id is ``<ms>-<seq>``).
+
+    The event log is the durable clock: every reader of a stored response, live or replayed,
+    computes the same ``completed_at`` from the terminal event's entry id.
+
+    Args:
+        entry_id: the entry id.
+
+    Returns:
+        Whole seconds.
+    """
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.partition("-")[0]) // 1000

@@ -22,7 +22,7 @@ from services.api.wire.openai_responses.tools import (
     exposed_name,
     parse_tools,
 )
-from services.api.wire.openai_responses.types import ReasoningConfig, Response
+from services.api.wire.openai_responses.types import ReasoningConfig, Response, TextConfig
 from shared.errors import InvalidRequest
 from shared.jobs import (
     GenerateRequest,
@@ -58,6 +58,7 @@ class _TextFormat(msgspec.Struct, kw_only=True):
 
 class _Text(msgspec.Struct, kw_only=True):
     format: _TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -84,6 +85,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     conversation: str | JsonObject | None = None
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
+    # Echoed in the response (sluice has one service tier and no prompt-cache options).
+    max_tool_calls: int | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
 
 
 def parse_request(body: bytes) -> ResponsesRequest:
@@ -253,10 +260,16 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
         previous_response_id=req.previous_response_id,
         reasoning=ReasoningConfig(effort=effort, summary=summary),
         store=req.store is not False,
-        temperature=req.temperature,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        text=TextConfig(verbosity=(req.text.verbosity if req.text else None) or "medium"),
         tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
         tools=list(req.tools or []),
-        top_p=req.top_p,
+        top_logprobs=req.top_logprobs or 0,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        max_tool_calls=req.max_tool_calls,
+        prompt_cache_key=req.prompt_cache_key,
+        prompt_cache_retention=req.prompt_cache_retention,
+        safety_identifier=req.safety_identifier,
         truncation=req.truncation or "disabled",
         user=req.user,
         metadata=req.metadata or {},

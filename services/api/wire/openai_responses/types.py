@@ -18,6 +18,16 @@ from services.api.wire.openai_responses.call_types import (
     CustomToolCallItem,
     ToolSearchCallItem,
 )
+from services.api.wire.openai_responses.delta_events import (
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    Logprob,
+    OutputTextDelta,
+    OutputTextDone,
+    ReasoningTextDelta,
+    ReasoningTextDone,
+    TopLogprob,
+)
 
 __all__ = [
     "ContentPartAdded",
@@ -62,23 +72,6 @@ __all__ = [
 _Json = dict[str, object]  # (the Response's ``object`` field shadows the builtin in its body)
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 ResponseStatus = Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
-
-
-class TopLogprob(msgspec.Struct, frozen=True):
-    """One alternative token of an output_text logprob."""
-
-    token: str
-    bytes: list[int]
-    logprob: float
-
-
-class Logprob(msgspec.Struct, frozen=True):
-    """Log-probability of one output token."""
-
-    token: str
-    bytes: list[int]
-    logprob: float
-    top_logprobs: list[TopLogprob] = []
 
 
 class OutputText(msgspec.Struct, tag_field="type", tag="output_text", kw_only=True):
@@ -175,6 +168,7 @@ class TextConfig(msgspec.Struct, kw_only=True):
     """The echoed ``text`` request parameter."""
 
     format: TextFormat = msgspec.field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] = "medium"
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
@@ -214,28 +208,43 @@ class IncompleteDetails(msgspec.Struct, kw_only=True):
 
 
 class Response(msgspec.Struct, kw_only=True):
-    """The response object: the non-streaming body and the ``response`` of lifecycle events."""
+    """The response object: the non-streaming body and the ``response`` of lifecycle events.
+
+    Every field the official SDK's ``Response`` defines that a text model can fill is sent, in
+    the order OpenAI sends them, with the request's value or the documented default.
+    """
 
     id: str
     object: Literal["response"] = "response"
     created_at: int
     status: ResponseStatus
     background: bool = False
+    completed_at: int | None = None  # when the terminal event was logged
+    conversation: _Json | None = None
     error: ResponseError | None = None
+    frequency_penalty: float = 0.0
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     model: str
     output: list[OutputItem] = []
     parallel_tool_calls: bool = True
+    presence_penalty: float = 0.0
     previous_response_id: str | None = None
+    prompt: _Json | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
+    safety_identifier: str | None = None
+    service_tier: str = "default"
     store: bool = True
-    temperature: float | None = None
+    temperature: float = 1.0
     text: TextConfig = msgspec.field(default_factory=TextConfig)
     tool_choice: str | _Json = "auto"  # echoed as sent
     tools: list[_Json] = []  # echoed as sent, hosted tools included
-    top_p: float | None = None
+    top_logprobs: int = 0
+    top_p: float = 1.0
     truncation: Literal["disabled", "auto"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
@@ -290,71 +299,6 @@ class ContentPartDone(msgspec.Struct, tag_field="type", tag="response.content_pa
     output_index: int
     content_index: int
     part: Part
-    sequence_number: int
-
-
-class OutputTextDelta(msgspec.Struct, tag_field="type", tag="response.output_text.delta"):
-    """A fragment of answer text."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: list[Logprob]
-    sequence_number: int
-
-
-class OutputTextDone(msgspec.Struct, tag_field="type", tag="response.output_text.done"):
-    """The full text of an answer part."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: list[Logprob]
-    sequence_number: int
-
-
-class ReasoningTextDelta(msgspec.Struct, tag_field="type", tag="response.reasoning_text.delta"):
-    """A fragment of raw reasoning text."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    sequence_number: int
-
-
-class ReasoningTextDone(msgspec.Struct, tag_field="type", tag="response.reasoning_text.done"):
-    """The full raw reasoning text of a part."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    sequence_number: int
-
-
-class FunctionCallArgumentsDelta(
-    msgspec.Struct, tag_field="type", tag="response.function_call_arguments.delta"
-):
-    """A fragment of a call's JSON arguments."""
-
-    item_id: str
-    output_index: int
-    delta: str
-    sequence_number: int
-
-
-class FunctionCallArgumentsDone(
-    msgspec.Struct, tag_field="type", tag="response.function_call_arguments.done"
-):
-    """A call's complete JSON arguments."""
-
-    item_id: str
-    output_index: int
-    name: str
-    arguments: str
     sequence_number: int
 
 
