@@ -271,3 +271,15 @@ async def test_namespaced_and_hosted_tools_end_to_end(client: openai.AsyncOpenAI
         final = await stream.get_final_response()
     streamed = final.output[-1]
     assert streamed.type == "function_call" and streamed.namespace == "weather"
+
+
+async def test_reasoning_summary_reaches_the_sdk_stream_helper(client: openai.AsyncOpenAI) -> None:
+    body = {**request("reasoning"), "reasoning": {"summary": "auto"}}
+    async with client.responses.stream(**body) as stream:  # type: ignore[call-overload]
+        summaries = [
+            e.delta async for e in stream if e.type == "response.reasoning_summary_text.delta"
+        ]
+        final = await stream.get_final_response()
+    item = final.output[0]
+    assert item.type == "reasoning" and item.content is not None
+    assert [s.text for s in item.summary] == ["".join(summaries)] == [item.content[0].text]

@@ -1,7 +1,8 @@
 """The Responses stream events that carry text and arguments as they are generated.
 
 ``response.output_text.*``, ``response.reasoning_text.*`` and
-``response.function_call_arguments.*``, with the token logprobs they carry; ``types``
+``response.function_call_arguments.*``, ``response.reasoning_summary_part.*`` and
+``response.reasoning_summary_text.*``, with the token logprobs they carry; ``types``
 re-exports them and folds them into
 ``StreamEvent``. Kept apart only to keep modules small. Field names follow the official SDK.
 """
@@ -16,8 +17,13 @@ __all__ = [
     "Logprob",
     "OutputTextDelta",
     "OutputTextDone",
+    "ReasoningSummaryPartAdded",
+    "ReasoningSummaryPartDone",
+    "ReasoningSummaryTextDelta",
+    "ReasoningSummaryTextDone",
     "ReasoningTextDelta",
     "ReasoningTextDone",
+    "SummaryPart",
     "TopLogprob",
 ]
 
@@ -101,4 +107,58 @@ class FunctionCallArgumentsDone(
     output_index: int
     name: str
     arguments: str
+    sequence_number: int
+
+
+class SummaryPart(msgspec.Struct, tag_field="type", tag="summary_text", kw_only=True):
+    """A reasoning summary part as the summary-part events carry it."""
+
+    text: str = ""
+
+
+class ReasoningSummaryPartAdded(
+    msgspec.Struct, tag_field="type", tag="response.reasoning_summary_part.added"
+):
+    """A summary part opens inside a reasoning item."""
+
+    item_id: str
+    output_index: int
+    summary_index: int
+    part: SummaryPart
+    sequence_number: int
+
+
+class ReasoningSummaryPartDone(
+    msgspec.Struct, tag_field="type", tag="response.reasoning_summary_part.done"
+):
+    """A summary part is final."""
+
+    item_id: str
+    output_index: int
+    summary_index: int
+    part: SummaryPart
+    sequence_number: int
+
+
+class ReasoningSummaryTextDelta(
+    msgspec.Struct, tag_field="type", tag="response.reasoning_summary_text.delta"
+):
+    """A fragment of a reasoning summary."""
+
+    item_id: str
+    output_index: int
+    summary_index: int
+    delta: str
+    sequence_number: int
+
+
+class ReasoningSummaryTextDone(
+    msgspec.Struct, tag_field="type", tag="response.reasoning_summary_text.done"
+):
+    """The full text of a summary part."""
+
+    item_id: str
+    output_index: int
+    summary_index: int
+    text: str
     sequence_number: int

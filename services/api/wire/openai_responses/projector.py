@@ -14,6 +14,13 @@ from services.api.wire.openai_responses.call_types import (
     CustomToolCallInputDelta,
     CustomToolCallInputDone,
 )
+from services.api.wire.openai_responses.delta_events import (
+    ReasoningSummaryPartAdded,
+    ReasoningSummaryPartDone,
+    ReasoningSummaryTextDelta,
+    ReasoningSummaryTextDone,
+    SummaryPart,
+)
 from services.api.wire.openai_responses.render import (
     ItemKind,
     build_item,
@@ -23,6 +30,7 @@ from services.api.wire.openai_responses.render import (
     item_id,
     logprobs_out,
     terminal_status,
+    wants_summary,
 )
 from services.api.wire.openai_responses.tools import Route, custom_input, routes
 from services.api.wire.openai_responses.types import (
@@ -108,6 +116,7 @@ class Projector:
         self._routes = routes(ctx.skeleton.tools)
         self._gate = SeparatorGate()
         self._completed_at: int | None = None
+        self._summary = wants_summary(ctx.skeleton)
 
     def feed(self, event: AnyEvent) -> list[Frame]:
         """Project one event.
@@ -159,6 +168,11 @@ class Projector:
                 item = self._ensure(out, "reasoning", None)
                 item.text += event.text
                 out.append(ReasoningTextDelta(item.id, item.index, 0, event.text, self._n()))
+                if self._summary:
+                    summary = ReasoningSummaryTextDelta(
+                        item.id, item.index, 0, event.text, self._n()
+                    )
+                    out.append(summary)
             case ReasoningEnd():
                 self._stop_accepting("reasoning", None)
             case ToolCallStart():
@@ -224,6 +238,8 @@ class Projector:
         else:
             added = ReasoningItem(id=item.id, status="in_progress")
         out.append(OutputItemAdded(index, added, self._n()))
+        if kind == "reasoning" and self._summary:
+            out.append(ReasoningSummaryPartAdded(item.id, index, 0, SummaryPart(), self._n()))
         if kind != "function_call":
             part = OutputText() if kind == "message" else ReasoningText()
             out.append(ContentPartAdded(item.id, index, 0, part, self._n()))
@@ -234,7 +250,14 @@ class Projector:
         if item is None:
             return
         final = build_item(
-            item.kind, item.id, status, item.text, item.logprobs, item.call, item.route
+            item.kind,
+            item.id,
+            status,
+            item.text,
+            item.logprobs,
+            item.call,
+            item.route,
+            summary=self._summary,
         )
         n = self._n
         if item.kind == "message":
@@ -245,6 +268,10 @@ class Projector:
             part = ReasoningText(text=item.text)
             out.append(ReasoningTextDone(item.id, item.index, 0, item.text, n()))
             out.append(ContentPartDone(item.id, item.index, 0, part, n()))
+            if self._summary:
+                summary = SummaryPart(text=item.text)
+                out.append(ReasoningSummaryTextDone(item.id, item.index, 0, item.text, n()))
+                out.append(ReasoningSummaryPartDone(item.id, item.index, 0, summary, n()))
         elif item.route is not None and item.route.kind == "custom":
             text = custom_input(item.text)
             out.append(CustomToolCallInputDelta(item.id, item.index, text, n()))

@@ -30,6 +30,7 @@ from services.api.wire.openai_responses.types import (
     ResponseError,
     ResponseStatus,
     ResponseUsage,
+    SummaryText,
     TopLogprob,
 )
 from shared.accumulate import Completion, ReasoningBlock, TextBlock, ToolCallBlock
@@ -45,6 +46,7 @@ __all__ = [
     "logprobs_out",
     "render",
     "terminal_status",
+    "wants_summary",
 ]
 
 ItemKind = Literal["message", "reasoning", "function_call"]
@@ -197,6 +199,8 @@ def build_item(
     logprobs: list[Logprob],
     call: ToolCallStart | None,
     route: Route | None = None,
+    *,
+    summary: bool = False,
 ) -> OutputItem:
     """One output item of ``kind`` in ``status``.
 
@@ -209,6 +213,7 @@ def build_item(
         call: the ``ToolCallStart`` of a function call (None otherwise).
         route: how the called tool maps back onto the wire (custom and tool-search calls
             become their own item types, namespaced ones carry ``namespace``).
+        summary: a reasoning item also carries its text as a ``summary_text`` part.
 
     Returns:
         The item.
@@ -218,7 +223,10 @@ def build_item(
             id=iid, status=status, content=[OutputText(text=text, logprobs=logprobs)]
         )
     if kind == "reasoning":
-        return ReasoningItem(id=iid, status=status, content=[ReasoningText(text=text)])
+        parts = [SummaryText(text=text)] if summary else []
+        return ReasoningItem(
+            id=iid, status=status, summary=parts, content=[ReasoningText(text=text)]
+        )
     assert call is not None
     call_id = _call_id(call.call_id)
     if route is not None and route.kind == "custom":
@@ -274,7 +282,17 @@ def render(
                 output.append(build_item("message", iid, item_status, block.text, logprobs, None))
             case ReasoningBlock():
                 iid = item_id(skeleton.id, "reasoning", index)
-                output.append(build_item("reasoning", iid, item_status, block.text, [], None))
+                output.append(
+                    build_item(
+                        "reasoning",
+                        iid,
+                        item_status,
+                        block.text,
+                        [],
+                        None,
+                        summary=wants_summary(skeleton),
+                    )
+                )
             case ToolCallBlock():
                 route = tool_routes.get(block.name)
                 iid = call_item_id(skeleton.id, route, index)
@@ -287,6 +305,22 @@ def render(
     return final_response(
         skeleton, output, completion.usage, completion.finish, completion.error, completed_at
     )
+
+
+def wants_summary(skeleton: Response) -> bool:
+    """Whether the request asked for reasoning summaries (``reasoning.summary``).
+
+    sluice has no second model to summarize with, so the summary is the reasoning itself,
+    verbatim: one ``summary_text`` part per reasoning item, streamed as the reasoning streams.
+    Clients that only read summaries (Codex's display, the Vercel AI SDK) then see it.
+
+    Args:
+        skeleton: the request echo.
+
+    Returns:
+        True for ``auto``, ``concise`` and ``detailed``.
+    """
+    return skeleton.reasoning.summary in ("auto", "concise", "detailed")
 
 
 def entry_seconds(entry_id: str | bytes) -> int:

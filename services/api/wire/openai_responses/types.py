@@ -24,6 +24,10 @@ from services.api.wire.openai_responses.delta_events import (
     Logprob,
     OutputTextDelta,
     OutputTextDone,
+    ReasoningSummaryPartAdded,
+    ReasoningSummaryPartDone,
+    ReasoningSummaryTextDelta,
+    ReasoningSummaryTextDone,
     ReasoningTextDelta,
     ReasoningTextDone,
     TopLogprob,
@@ -89,7 +93,7 @@ class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text", kw_o
 
 
 class SummaryText(msgspec.Struct, tag_field="type", tag="summary_text", kw_only=True):
-    """A reasoning summary part (only ever replayed by clients; sluice emits raw text)."""
+    """A reasoning summary part: the raw reasoning itself, when the request asks for a summary."""
 
     text: str = ""
 
@@ -323,6 +327,10 @@ StreamEvent = (
     | ReasoningTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
+    | ReasoningSummaryPartAdded
+    | ReasoningSummaryTextDelta
+    | ReasoningSummaryTextDone
+    | ReasoningSummaryPartDone
     | CustomToolCallInputDelta
     | CustomToolCallInputDone
     | ErrorEvent
