@@ -16,6 +16,7 @@ __all__ = [
     "model_card",
     "models",
     "queue",
+    "reasoning_secret",
     "request",
     "response",
     "worker",
@@ -86,3 +87,8 @@ def inflight(model: str) -> str:
 def hub_wake(hub_id: str) -> str:
     """An API process's private wake stream: an XADD here interrupts its blocked multi-XREAD."""
     return f"{PREFIX}:hub:{hub_id}"
+
+
+def reasoning_secret() -> str:
+    """String: the generated secret of reasoning tokens (when none is configured)."""
+    return f"{PREFIX}:secret:reasoning"

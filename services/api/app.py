@@ -26,7 +26,7 @@ from services.api.error_handlers import install_error_handlers
 from services.api.hub import StreamHub
 from services.api.routes import chat, health, messages, models, native, responses
 from services.api.start_timeout import sweep_loop
-from services.api.state import AppState
+from services.api.state import AppState, load_reasoning_key
 from shared.config import Settings
 from shared.errors import RequestTooLarge
 
@@ -94,6 +94,7 @@ def create_app(settings: Settings) -> FastAPI:
             reasoning_when_hidden=settings.reasoning_when_hidden,
         )
         state = AppState(settings=settings, redis=redis, arq=arq, hub=hub, cards=cards)
+        state.reasoning_key = await load_reasoning_key(redis, settings)
         app.state.sluice = state
         # Requests nobody streams must time out too (the pipeline covers the watched ones).
         sweeper = asyncio.create_task(sweep_loop(redis, settings), name="sluice-start-timeout")

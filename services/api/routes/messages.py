@@ -35,9 +35,12 @@ _JSON = msgspec.json.Encoder()
 _PING = anthropic_messages.PING
 
 
-def _context(job: GenerateRequest) -> anthropic_messages.Context:
+def _context(state: AppState, job: GenerateRequest) -> anthropic_messages.Context:
     return anthropic_messages.Context(
-        message_id=job.request_id, model=job.model, show_thinking=job.reasoning.visible
+        message_id=job.request_id,
+        model=job.model,
+        show_thinking=job.reasoning.visible,
+        signer=state.signer,
     )
 
 
@@ -47,9 +50,10 @@ async def create_message(request: Request) -> Response:
     state = get_state(request)
     owner = await authenticate(request)
     req = anthropic_messages.parse_request(await request.body())
+    req = anthropic_messages.restore_thinking(req, state.signer)
     job = anthropic_messages.build_job(req, request_id=new_request_id("msg"))
     job = await submit(state, job, owner=owner)
-    rid, ctx = job.request_id, _context(job)
+    rid, ctx = job.request_id, _context(state, job)
     headers = {"request-id": rid}
     ignored = anthropic_messages.ignored_tools(req)
     if ignored:
@@ -83,7 +87,7 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _stored(state: AppState, request: Request, rid: str) -> anthropic_messages.Context:
-    return _context(await load_owned(state, REQUESTS, rid, await authenticate(request)))
+    return _context(state, await load_owned(state, REQUESTS, rid, await authenticate(request)))
 
 
 @router.get("/v1/messages/{rid}")

@@ -29,6 +29,7 @@ __all__ = ["router"]
 
 router = APIRouter()
 
+_ENCRYPTED = "reasoning.encrypted_content"  # include value: reasoning items carry a token
 _CANCEL_WAIT_S = 5.0  # how long POST .../cancel waits for the worker to acknowledge
 
 
@@ -50,10 +51,12 @@ async def create_response(request: Request) -> Response:
     history = []
     if req.previous_response_id is not None:
         history = await responses_store.conversation(state, req.previous_response_id, owner)
-    conversation = openai_responses.input_messages(req, history)
+    conversation = openai_responses.input_messages(req, history, state.signer)
     job = openai_responses.build_job(
         req, request_id=rid, conversation=conversation, owner=owner, created=0.0
     )
+    encrypted = _ENCRYPTED in (req.include or [])
+    signer = state.signer if encrypted else None
     echo = openai_responses.skeleton(
         req, rid, 0
     )  # built before submit: every check passes before enqueueing
@@ -65,17 +68,19 @@ async def create_response(request: Request) -> Response:
     echo = msgspec.structs.replace(echo, created_at=int(job.created))
     if echo.store:
         items = openai_responses.input_items(req.input, rid)
-        await responses_store.save(state, owner, echo, items)
+        await responses_store.save(state, owner, echo, items, include_encrypted=encrypted)
     if echo.background:  # generation goes on without this connection; GET reads it later
         return _json(msgspec.structs.replace(echo, status="queued"), rid, headers)
     if req.stream:
-        projector = openai_responses.Projector(openai_responses.Context(skeleton=echo))
+        ctx = openai_responses.Context(skeleton=echo, signer=signer)
+        projector = openai_responses.Projector(ctx)
         return sse_response(state, request, rid, projector, headers=headers)
     completion = fold(await collect_events(state, request, rid))
     if completion.error is not None and completion.start is None:
         raise service_error(completion.error)  # rejected before generation: an HTTP error
     ended = await responses_store.completed_at(state, rid)
-    return _json(openai_responses.render(completion, echo, completed_at=ended), rid, headers)
+    body = openai_responses.render(completion, echo, completed_at=ended, signer=signer)
+    return _json(body, rid, headers)
 
 
 @router.post("/v1/responses/input_tokens")
@@ -87,7 +92,7 @@ async def count_input_tokens(request: Request) -> Response:
     history = []
     if req.previous_response_id is not None:
         history = await responses_store.conversation(state, req.previous_response_id, owner)
-    conversation = openai_responses.input_messages(req, history)
+    conversation = openai_responses.input_messages(req, history, state.signer)
     job = openai_responses.build_job(
         req, request_id=new_request_id("resp"), conversation=conversation, owner=owner, created=0
     )
@@ -125,7 +130,11 @@ async def retrieve_response(
     owner = await authenticate(request)
     record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
     if stream:
-        ctx = openai_responses.Context(skeleton=record.skeleton, starting_after=starting_after)
+        ctx = openai_responses.Context(
+            skeleton=record.skeleton,
+            starting_after=starting_after,
+            signer=responses_store.signer_for(state, record),
+        )
         projector = openai_responses.Projector(ctx)
         headers = {"x-request-id": response_id}
         # An observer leaving (e.g. of a background response) must not stop the generation.

@@ -16,6 +16,7 @@ from services.api.wire.anthropic_messages.request import (
     parse_request,
 )
 from services.api.wire.anthropic_messages.request_types import MessagesRequest
+from services.api.wire.anthropic_messages.thinking import restore_thinking
 from services.api.wire.anthropic_messages.types import Context, Message
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "parse_count_tokens_request",
     "parse_request",
     "render",
+    "restore_thinking",
     "service_error",
     "tool_use_id",
 ]

@@ -17,6 +17,7 @@ import msgspec
 
 from services.api.wire.common import JsonObject, error_location
 from services.api.wire.openai_responses.tools import CUSTOM_INPUT, exposed_name
+from services.api.wire.reasoning_tokens import ReasoningSigner
 from shared.errors import InvalidRequest
 from shared.jobs import Message, TextPart, ToolCall
 
@@ -68,7 +69,7 @@ class _FunctionCallOutputIn(msgspec.Struct, kw_only=True):
 class _ReasoningIn(msgspec.Struct, kw_only=True):
     summary: list[_Part] = []
     content: list[_Part] | None = None
-    encrypted_content: str | None = None  # opaque, possibly from another server: ignored
+    encrypted_content: str | None = None  # sluice's restores the text; another server's: ignored
 
 
 def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidRequest:
@@ -108,7 +109,8 @@ def _content_text(content: str | list[_Part], where: str) -> str:
 class _Conversation:
     """Folds items into turns: one assistant message per turn gathers reasoning, text, calls."""
 
-    def __init__(self, prior: Sequence[Message]) -> None:
+    def __init__(self, prior: Sequence[Message], signer: ReasoningSigner | None) -> None:
+        self.signer = signer
         self.messages: list[Message] = list(prior)
         self.call_names = {c.id: c.name for m in prior for c in m.tool_calls}
         self._text: list[str] = []
@@ -150,7 +152,11 @@ class _Conversation:
 
 
 def items_to_messages(
-    items: Sequence[JsonObject], prior: Sequence[Message] = (), *, param: str = "input"
+    items: Sequence[JsonObject],
+    prior: Sequence[Message] = (),
+    *,
+    param: str = "input",
+    signer: ReasoningSigner | None = None,
 ) -> list[Message]:
     """Map Responses items (input items, or a stored response's output) onto turns.
 
@@ -158,6 +164,7 @@ def items_to_messages(
         items: message, function_call, function_call_output and reasoning items.
         prior: turns that come before these items (their tool calls name later outputs).
         param: the request field the items came from, for error messages.
+        signer: verifies sluice's own ``encrypted_content`` and restores the reasoning in it.
 
     Returns:
         ``prior`` followed by the items' turns.
@@ -165,7 +172,7 @@ def items_to_messages(
     Raises:
         InvalidRequest: an unknown item type or a malformed item.
     """
-    conv = _Conversation(prior)
+    conv = _Conversation(prior, signer)
     for i, item in enumerate(items):
         where = f"{param}[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
@@ -225,7 +232,11 @@ def _add_item(conv: _Conversation, kind: object, item: JsonObject, where: str) -
         # Raw reasoning text is what the model wrote; a summary is the next best thing. An
         # encrypted blob we cannot read (another server's) is ignored, never an error.
         parts = rs.content if rs.content else rs.summary
-        conv.reasoning("".join(_part_text(p, f"{where}.content") for p in parts))
+        text = "".join(_part_text(p, f"{where}.content") for p in parts)
+        if conv.signer is not None:
+            # Codex (store: false) sends back only the summary and this token.
+            text = conv.signer.check(rs.encrypted_content, text, f"{where}.encrypted_content")
+        conv.reasoning(text)
     else:
         raise InvalidRequest(
             f"Input item type {kind!r} is not supported; use message, function_call, "

@@ -258,6 +258,7 @@ class Projector:
             item.call,
             item.route,
             summary=self._summary,
+            signer=self._ctx.signer,
         )
         n = self._n
         if item.kind == "message":

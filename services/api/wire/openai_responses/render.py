@@ -33,6 +33,7 @@ from services.api.wire.openai_responses.types import (
     SummaryText,
     TopLogprob,
 )
+from services.api.wire.reasoning_tokens import ReasoningSigner
 from shared.accumulate import Completion, ReasoningBlock, TextBlock, ToolCallBlock
 from shared.events import Error, Finish, TokenLogprob, ToolCallStart, Usage
 
@@ -201,6 +202,7 @@ def build_item(
     route: Route | None = None,
     *,
     summary: bool = False,
+    signer: ReasoningSigner | None = None,
 ) -> OutputItem:
     """One output item of ``kind`` in ``status``.
 
@@ -214,6 +216,7 @@ def build_item(
         route: how the called tool maps back onto the wire (custom and tool-search calls
             become their own item types, namespaced ones carry ``namespace``).
         summary: a reasoning item also carries its text as a ``summary_text`` part.
+        signer: a finished reasoning item also carries its text signed as ``encrypted_content``.
 
     Returns:
         The item.
@@ -224,9 +227,12 @@ def build_item(
         )
     if kind == "reasoning":
         parts = [SummaryText(text=text)] if summary else []
-        return ReasoningItem(
+        item = ReasoningItem(
             id=iid, status=status, summary=parts, content=[ReasoningText(text=text)]
         )
+        if signer is not None and status != "in_progress":
+            item.encrypted_content = signer.sign(text)
+        return item
     assert call is not None
     call_id = _call_id(call.call_id)
     if route is not None and route.kind == "custom":
@@ -252,7 +258,11 @@ def build_item(
 
 
 def render(
-    completion: Completion, skeleton: Response, *, completed_at: int | None = None
+    completion: Completion,
+    skeleton: Response,
+    *,
+    completed_at: int | None = None,
+    signer: ReasoningSigner | None = None,
 ) -> Response:
     """Build the non-streaming response (also what GET returns) from folded events.
 
@@ -260,6 +270,7 @@ def render(
         completion: ``fold(events)``; may be partial (still generating).
         skeleton: the request echo from ``request.skeleton``.
         completed_at: when the terminal event was logged (``entry_seconds`` of its entry id).
+        signer: given when the request included ``reasoning.encrypted_content``.
 
     Returns:
         The response; the last item is ``incomplete`` when generation did not end naturally,
@@ -291,6 +302,7 @@ def render(
                         [],
                         None,
                         summary=wants_summary(skeleton),
+                        signer=signer,
                     )
                 )
             case ToolCallBlock():

@@ -23,6 +23,7 @@ from services.api.wire.openai_responses.tools import (
     parse_tools,
 )
 from services.api.wire.openai_responses.types import ReasoningConfig, Response, TextConfig
+from services.api.wire.reasoning_tokens import ReasoningSigner
 from shared.errors import InvalidRequest
 from shared.jobs import (
     GenerateRequest,
@@ -276,7 +277,11 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
     )
 
 
-def input_messages(req: ResponsesRequest, history: Sequence[Message] = ()) -> list[Message]:
+def input_messages(
+    req: ResponsesRequest,
+    history: Sequence[Message] = (),
+    signer: ReasoningSigner | None = None,
+) -> list[Message]:
     """The conversation of this request without ``instructions``: history, then ``input``.
 
     Args:
@@ -291,7 +296,7 @@ def input_messages(req: ResponsesRequest, history: Sequence[Message] = ()) -> li
     """
     if isinstance(req.input, str):
         return [*history, Message(role="user", content=[TextPart(text=req.input)])]
-    return items_to_messages(req.input, history)
+    return items_to_messages(req.input, history, signer=signer)
 
 
 def build_job(

@@ -32,6 +32,7 @@ from services.api.wire.openai_responses.delta_events import (
     ReasoningTextDone,
     TopLogprob,
 )
+from services.api.wire.reasoning_tokens import ReasoningSigner
 
 __all__ = [
     "ContentPartAdded",
@@ -117,6 +118,9 @@ class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning", kw_only=T
     status: ItemStatus
     summary: list[SummaryText] = []
     content: list[ReasoningText] = []
+    # Only with ``include: ["reasoning.encrypted_content"]``: the reasoning, signed, so it comes
+    # back intact in a later request's input (``wire.reasoning_tokens``).
+    encrypted_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class FunctionCallItem(
@@ -343,7 +347,9 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         skeleton: the in-progress ``Response`` echoing the request (id, created_at, params).
         starting_after: replay only the events after this ``sequence_number`` (-1: all).
+        signer: signs each finished reasoning item into its ``encrypted_content``.
     """
 
     skeleton: Response
     starting_after: int = -1
+    signer: ReasoningSigner | None = None  # set when ``include`` asks for encrypted_content
