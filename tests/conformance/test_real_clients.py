@@ -3,9 +3,12 @@
 A real uvicorn API and a real worker on the test Redis; the clients run as subprocesses that can
 only reach 127.0.0.1 (``real_clients``). Codex asks for a model id from its own catalog, so it
 sends everything it sends to OpenAI (a ``custom`` apply_patch tool with a lark grammar, client
-``tool_search``, a hosted ``web_search``, ``reasoning``, ``include``, ``text.verbosity``); the
-default model serves under that id, with a short instructions file so the prompt fits its
-context. Claude Code asks for ``max_tokens: 32000`` whatever the model: the scripted worker's
+``tool_search``, a hosted ``web_search``, ``reasoning``, ``include``, ``text.verbosity``). The
+worker behind that id is the scripted test double, not the default model: Codex sends no
+``max_output_tokens``, and SmolLM2 sampling freely can write thousands of tokens (a full-suite
+run on a loaded 2-core box took over four minutes and Codex's stream gave up), while the point
+here is the wire, which the double exercises through the real tokenizer, template and API.
+A short instructions file keeps the prompt brief all the same. Claude Code asks for ``max_tokens: 32000`` whatever the model: the scripted worker's
 card advertises a context that holds its ~50k-token prompt but not that much output, so the
 first request is refused with Anthropic's wording and Claude Code must retry by itself.
 """
@@ -74,7 +77,8 @@ async def test_codex_exec_completes_a_turn(api: str, redis_url: str, tmp_path: P
     home.mkdir()
     work.mkdir()
     env = codex_config(home, f"{api}/v1", CODEX_MODEL, "You are a terse assistant.")
-    async with running_worker(redis_url, "smollm2", name=CODEX_MODEL):
+    # Byte-level tokens: Codex's prompt with its tools is ~40k of them.
+    async with running_worker(redis_url, "scripted:text?rate=0&ctx=100000", name=CODEX_MODEL):
         argv = [str(codex), "exec", "--json", "--skip-git-repo-check", "Say hello in one word."]
         code, out, err = await _run(argv, env, work)
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
