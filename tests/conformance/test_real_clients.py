@@ -8,9 +8,10 @@ worker behind that id is the scripted test double, not the default model: Codex 
 ``max_output_tokens``, and SmolLM2 sampling freely can write thousands of tokens (a full-suite
 run on a loaded 2-core box took over four minutes and Codex's stream gave up), while the point
 here is the wire, which the double exercises through the real tokenizer, template and API.
-A short instructions file keeps the prompt brief all the same. Claude Code asks for ``max_tokens: 32000`` whatever the model: the scripted worker's
-card advertises a context that holds its ~50k-token prompt but not that much output, so the
-first request is refused with Anthropic's wording and Claude Code must retry by itself.
+A short instructions file keeps the prompt brief all the same. Claude Code asks for
+``max_tokens: 32000`` whatever the model: the scripted worker's card advertises a context that
+holds its ~50k-token prompt but not that much output, so the first request is refused with
+Anthropic's wording and Claude Code must retry by itself.
 """
 
 from __future__ import annotations
