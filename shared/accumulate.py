@@ -24,6 +24,7 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
+from shared.separators import SeparatorGate
 
 __all__ = ["Block", "Completion", "ReasoningBlock", "TextBlock", "ToolCallBlock", "fold"]
 
@@ -80,10 +81,15 @@ class Completion(msgspec.Struct, kw_only=True):
 
 
 def fold(events: Iterable[AnyEvent]) -> Completion:  # noqa: C901 - one flat case per event type
-    """Fold events into a ``Completion``; adjacent deltas of one kind merge into one block."""
+    """Fold events into a ``Completion``; adjacent deltas of one kind merge into one block.
+
+    Whitespace that only separates reasoning and tool calls is dropped first
+    (``shared.separators``), exactly as every streaming projector drops it.
+    """
     out = Completion()
     reasoning_open = False
-    for event in events:
+    gate = SeparatorGate()
+    for event in (shown for raw in events for shown in gate.feed(raw)):
         last = out.blocks[-1] if out.blocks else None
         match event:
             case Start():

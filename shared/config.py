@@ -41,6 +41,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     chat_reasoning_field: Literal["reasoning_content", "reasoning", "both"] = (
         "reasoning_content"  # SLUICE_CHAT_REASONING_FIELD
     )
+    # SLUICE_REASONING_SECRET: the HMAC secret of thinking signatures and Responses
+    # encrypted_content, shared by every API replica; empty = one generated once, kept in Redis.
+    reasoning_secret: str = ""
     device: str = "auto"  # SLUICE_DEVICE: auto | cpu | cuda
     dtype: str = "auto"  # SLUICE_DTYPE: auto | float32 | bfloat16 | float16 | int4
     cpu_kernels: bool = True  # SLUICE_CPU_KERNELS: 4-bit CPU models on sluice's C kernels

@@ -62,9 +62,30 @@ class InvalidRequest(ServiceError):
 
 
 class ContextOverflow(InvalidRequest):
-    """The prompt (plus requested output) does not fit the model's context."""
+    """The prompt (plus requested output) does not fit the model's context.
+
+    Admission fills in the numbers (``prompt_tokens``, ``max_tokens``, ``context_length``) so
+    each wire format can word the error as its vendor does: clients parse those sentences
+    (Claude Code retries with a smaller ``max_tokens`` read out of Anthropic's wording).
+    """
 
     code = "context_overflow"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        context_length: int | None = None,
+    ) -> None:
+        """Build the error; the token counts are None when the raiser does not know them."""
+        super().__init__(message, param=param, retry_after=retry_after)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
 
 
 class AuthenticationFailed(ServiceError):

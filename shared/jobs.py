@@ -75,6 +75,10 @@ class ToolDef(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     description: str | None = None
     parameters: JsonObject = {}  # JSON Schema of the arguments object
+    # A freeform (``custom``) tool's input format as the client sent it, e.g. ``{"type":
+    # "grammar", "syntax": "lark", "definition": ...}``: the hook for constrained decoding of
+    # the call's ``input`` argument. None for JSON-schema tools and unconstrained text.
+    input_format: JsonObject | None = None
 
 
 class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):

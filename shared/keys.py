@@ -17,6 +17,7 @@ __all__ = [
     "model_card",
     "models",
     "queue",
+    "reasoning_secret",
     "request",
     "response",
     "worker",
@@ -92,3 +93,8 @@ def hub_wake(hub_id: str) -> str:
 def failovers() -> str:
     """Recent failovers (a capped list of JSON records, newest first) for ``sluice status``."""
     return f"{PREFIX}:failovers"
+
+
+def reasoning_secret() -> str:
+    """String: the generated secret of reasoning tokens (when none is configured)."""
+    return f"{PREFIX}:secret:reasoning"

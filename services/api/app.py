@@ -28,7 +28,7 @@ from services.api.hub import StreamHub
 from services.api.metrics import ApiMetrics
 from services.api.routes import chat, health, messages, models, native, responses
 from services.api.start_timeout import sweep_loop
-from services.api.state import AppState
+from services.api.state import AppState, load_reasoning_key
 from shared.config import Settings
 from shared.errors import RequestTooLarge
 
@@ -101,6 +101,7 @@ def create_app(settings: Settings) -> FastAPI:
         state = AppState(
             settings=settings, redis=redis, arq=arq, hub=hub, cards=cards, metrics=metrics
         )
+        state.reasoning_key = await load_reasoning_key(redis, settings)
         app.state.sluice = state
         # Requests nobody streams must time out too (the pipeline covers the watched ones).
         sweeper = asyncio.create_task(sweep_loop(redis, settings), name="sluice-start-timeout")

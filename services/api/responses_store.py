@@ -16,7 +16,13 @@ import msgspec
 from services.api.ownership import REQUESTS, Stored, load_owned
 from services.api.state import AppState
 from services.api.submit import cancel
-from services.api.wire.openai_responses import Response, items_to_messages, render
+from services.api.wire.openai_responses import (
+    Response,
+    entry_seconds,
+    items_to_messages,
+    render,
+)
+from services.api.wire.reasoning_tokens import ReasoningSigner
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry
@@ -27,11 +33,13 @@ from shared.jobs import Message
 __all__ = [
     "RESPONSES",
     "StoredResponse",
+    "completed_at",
     "conversation",
     "current",
     "delete",
     "events",
     "save",
+    "signer_for",
 ]
 
 _FINAL = ("completed", "incomplete", "failed", "cancelled")
@@ -43,21 +51,37 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     owner: str
     skeleton: Response
     final: Response | None = None
+    input_items: list[dict[str, object]] = []  # this request's own input, ids filled in
+    include_encrypted: bool = False  # include asked for reasoning.encrypted_content
 
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(StoredResponse)
 
 
-async def save(state: AppState, owner: str, skeleton: Response) -> None:
+async def save(
+    state: AppState,
+    owner: str,
+    skeleton: Response,
+    input_items: list[dict[str, object]] | None = None,
+    *,
+    include_encrypted: bool = False,
+) -> None:
     """Store a new response (its request echo) for the retention period.
 
     Args:
         state: the app state.
         owner: the creating key's owner id.
         skeleton: the in-progress response; ``skeleton.id`` is the request id.
+        input_items: the request's input items (``GET .../input_items`` lists them).
+        include_encrypted: reasoning items carry ``encrypted_content`` (the request's include).
     """
-    record = StoredResponse(owner=owner, skeleton=skeleton)
+    record = StoredResponse(
+        owner=owner,
+        skeleton=skeleton,
+        input_items=input_items or [],
+        include_encrypted=include_encrypted,
+    )
     await state.redis.set(
         keys.response(skeleton.id), _ENCODER.encode(record), ex=state.settings.retention_s
     )
@@ -105,8 +129,12 @@ async def current(state: AppState, record: StoredResponse) -> Response:
     """
     if record.final is not None:
         return record.final
-    log = await events(state, record.skeleton.id)
-    response = render(fold(log), record.skeleton)
+    entries = await state.redis.xrange(keys.events(record.skeleton.id), "-", "+")
+    log = [decode_entry(fields) for _, fields in entries]
+    ended = entry_seconds(entries[-1][0]) if log and is_terminal(log[-1]) else None
+    response = render(
+        fold(log), record.skeleton, completed_at=ended, signer=signer_for(state, record)
+    )
     if log and is_terminal(log[-1]):
         record.final = response
         # xx: a response deleted meanwhile stays deleted; keepttl: retention counts from create.
@@ -176,4 +204,31 @@ async def conversation(state: AppState, rid: str, owner: str) -> list[Message]:
         ) from exc
     history = job.messages[1:] if record.skeleton.instructions else job.messages
     output = [msgspec.to_builtins(item) for item in response.output]
-    return items_to_messages(output, history, param="previous_response_id")
+    return items_to_messages(output, history, param="previous_response_id", signer=state.signer)
+
+
+async def completed_at(state: AppState, rid: str) -> int | None:
+    """When a finished request's terminal event was logged (None for an empty log).
+
+    Args:
+        state: the app state.
+        rid: the request id.
+
+    Returns:
+        Unix seconds of the log's last entry.
+    """
+    last = await state.redis.xrevrange(keys.events(rid), "+", "-", count=1)
+    return entry_seconds(last[0][0]) if last else None
+
+
+def signer_for(state: AppState, record: StoredResponse) -> ReasoningSigner | None:
+    """The signer a stored response's reasoning items are rendered with (None: no tokens).
+
+    Args:
+        state: the app state.
+        record: the stored record.
+
+    Returns:
+        The deployment's signer when the request included ``reasoning.encrypted_content``.
+    """
+    return state.signer if record.include_encrypted else None

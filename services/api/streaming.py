@@ -167,6 +167,11 @@ async def _frames(
                 if rec is not None and rec.ttft_ms is None:
                     rec.ttft_ms = round((time.perf_counter() - began) * 1000, 1)
                 for entry_id, event in batch:
+                    # A projector that reports when things happened (Responses' completed_at)
+                    # reads it off the log's entry ids, the same for every reader.
+                    stamp = getattr(projector, "stamp", None)
+                    if stamp is not None:
+                        stamp(entry_id)
                     frames = projector.feed(event)
                     if frames:  # the entry id rides on the event's last frame
                         last = len(frames) - 1

@@ -92,6 +92,9 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
             f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the messages, {wanted} in "
             "the completion). Please reduce the length of the messages or completion.",
             param="messages",
+            prompt_tokens=len(prompt_ids),
+            max_tokens=wanted,
+            context_length=context,
         )
     queue = keys.queue(job.model)
     queued = await state.redis.zcard(queue)

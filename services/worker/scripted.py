@@ -1,10 +1,11 @@
 """The scripted backend: a test double that replays a fixed event script, not a model.
 
-``--model scripted:<scenario>[?rate=<tokens/s>&max_batch=<n>]`` serves a fake "model" whose
-answers are written in this file. It exists so the bus, the API and every wire format can be
-tested and benchmarked end to end without weights: the tokenizer (byte-level, with the ChatML,
-reasoning and tool-call marker tokens added), the chat template, the model card, Redis and the API
-are all real; only the choice of tokens is scripted. Its card says ``architecture="scripted"``.
+``--model scripted:<scenario>[?rate=<tokens/s>&max_batch=<n>&ctx=<tokens>]`` serves a fake
+"model" whose answers are written in this file. It exists so the bus, the API and every wire
+format can be tested and benchmarked end to end without weights: the tokenizer (byte-level, with
+the ChatML, reasoning and tool-call marker tokens added), the chat template, the model card,
+Redis and the API are all real; only the choice of tokens is scripted. Its card says
+``architecture="scripted"``.
 
 Every event's ``token_ids`` are the real tokenization of the text the script "generates", so the
 concatenated ids decode to what a model would have written (markers included). The full event
@@ -89,7 +90,10 @@ def build_tokenizer() -> Tokenizer:
 
 
 def parse_spec(spec: str, name: str | None = None) -> ScriptedBackend:
-    """Build a backend from ``scripted:<scenario>[?rate=<tokens/s>&max_batch=<n>]``.
+    """Build a backend from ``scripted:<scenario>[?rate=<tokens/s>&max_batch=<n>&ctx=<n>]``.
+
+    ``ctx`` is the context length the card advertises (default 4096); agent clients whose
+    prompts run to tens of thousands of (byte) tokens need more.
 
     Raises:
         ValueError: unknown scenario or a malformed parameter.
@@ -100,14 +104,15 @@ def parse_spec(spec: str, name: str | None = None) -> ScriptedBackend:
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scripted scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     params = {k: v[-1] for k, v in parse_qs(query, strict_parsing=bool(query)).items()}
-    unknown = set(params) - {"rate", "max_batch"}
+    unknown = set(params) - {"rate", "max_batch", "ctx"}
     if unknown:
         raise ValueError(f"unknown scripted parameter(s): {', '.join(sorted(unknown))}")
     rate = float(params.get("rate", 20))
     max_batch = int(params.get("max_batch", 16))
-    if rate < 0 or max_batch < 1:
-        raise ValueError("rate must be >= 0 and max_batch >= 1")
-    return ScriptedBackend(scenario, rate=rate, max_batch=max_batch, name=name)
+    context = int(params.get("ctx", 4096))
+    if rate < 0 or max_batch < 1 or context < 64:
+        raise ValueError("rate must be >= 0, max_batch >= 1 and ctx >= 64")
+    return ScriptedBackend(scenario, rate=rate, max_batch=max_batch, name=name, context=context)
 
 
 class ScriptedBackend:
@@ -118,7 +123,13 @@ class ScriptedBackend:
     """
 
     def __init__(
-        self, scenario: str = "text", *, rate: float = 20.0, max_batch: int = 16, name: str | None
+        self,
+        scenario: str = "text",
+        *,
+        rate: float = 20.0,
+        max_batch: int = 16,
+        name: str | None,
+        context: int = 4096,
     ) -> None:
         """Build the tokenizer and the card; ``name`` defaults to ``scripted-<scenario>``."""
         self.scenario = scenario
@@ -130,7 +141,7 @@ class ScriptedBackend:
         self.card = ModelCard(
             name=name or f"scripted-{scenario}",
             architecture="scripted",
-            context_length=4096,
+            context_length=context,
             tokenizer_json=self.tokenizer.to_str(),
             chat_template=CHAT_TEMPLATE,
             eos_token=IM_END,

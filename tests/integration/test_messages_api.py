@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from anthropic.types import Message
 
 from services.api.wire.anthropic_messages import Context as MessageContext, render
+from services.api.wire.reasoning_tokens import ReasoningSigner, derive_key
 from shared import keys
 from shared.accumulate import fold
 from shared.codec import decode_entry, decode_job
@@ -94,10 +95,18 @@ async def stream_events(redis: aioredis.Redis, rid: str) -> list[AnyEvent]:
     return events
 
 
+async def signer(redis: aioredis.Redis) -> ReasoningSigner:
+    """The deployment's signer, from the secret the API generated into Redis."""
+    secret = await redis.get(keys.reasoning_secret())
+    assert isinstance(secret, bytes)
+    return ReasoningSigner(derive_key(secret))
+
+
 async def rendered(redis: aioredis.Redis, rid: str) -> dict[str, Any]:
     """``render(fold(events))`` of the events on the Redis stream of ``rid``, as JSON."""
     events = await stream_events(redis, rid)
-    message = render(fold(events), MessageContext(message_id=rid, model=MODEL))
+    ctx = MessageContext(message_id=rid, model=MODEL, signer=await signer(redis))
+    message = render(fold(events), ctx)
     return msgspec.json.decode(msgspec.json.encode(message), type=dict[str, Any])
 
 
@@ -306,8 +315,12 @@ async def test_a_chat_completion_replays_as_an_anthropic_stream(
     message = strict_consume(parse_sse(replayed.content))
     assert [b["type"] for b in message["content"]] == ["thinking", "text"]
     assert message["content"][1]["text"] == chat.json()["choices"][0]["message"]["content"]
-    # The chat request did not ask to see reasoning, so its replay keeps the thinking omitted.
-    assert message["content"][0] == {"type": "thinking", "thinking": "", "signature": ""}
+    # The chat request did not ask to see reasoning, so its replay keeps the thinking omitted;
+    # the signature still holds it, so a client sending the block back restores it.
+    thinking = message["content"][0]
+    assert (thinking["type"], thinking["thinking"]) == ("thinking", "")
+    sign = await signer(redis)
     events = await stream_events(redis, rid)
-    hidden = MessageContext(message_id=rid, model=MODEL, show_thinking=False)
+    assert sign.open(thinking["signature"], "p") == fold(events).reasoning
+    hidden = MessageContext(message_id=rid, model=MODEL, show_thinking=False, signer=sign)
     assert message == msgspec.json.decode(msgspec.json.encode(render(fold(events), hidden)))

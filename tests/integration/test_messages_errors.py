@@ -7,6 +7,7 @@ nothing was stored or enqueued.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -116,8 +117,41 @@ async def test_context_window_overflow_is_invalid_request(
                 max_tokens=5,
                 messages=[{"role": "user", "content": "hello " * 100}],
             )
-    assert "context length" in envelope(info.value, "invalid_request_error")
+    message = envelope(info.value, "invalid_request_error")
+    # Anthropic's exact sentence: Claude Code compacts the conversation when it reads it.
+    match = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", message)
+    assert match is not None, message
+    assert int(match[1]) > int(match[2]) == tiny_model.context_length
     assert await nothing_stored(redis)
+
+
+async def test_max_tokens_past_the_context_uses_anthropics_wording(
+    api: str, tiny_model: ModelCard, redis: aioredis.Redis
+) -> None:
+    # Claude Code's first request asks for max_tokens 32000 whatever the model; it reads the
+    # three numbers out of this sentence and retries with a max_tokens that fits.
+    async with sdk(api) as client:
+        counted = await client.messages.count_tokens(model="tiny-test", messages=MESSAGES)
+        with pytest.raises(anthropic.BadRequestError) as info:
+            await client.messages.create(
+                model="tiny-test", max_tokens=32000, messages=MESSAGES, stream=True
+            )
+        assert info.value.status_code == 400
+        message = envelope(info.value, "invalid_request_error")
+        assert message == (
+            f"input length and `max_tokens` exceed context limit: {counted.input_tokens} + 32000 "
+            f"> {tiny_model.context_length}, decrease input length or `max_tokens` and try again"
+        )
+        assert await nothing_stored(redis)
+        room = tiny_model.context_length - counted.input_tokens
+    # The retry with the max_tokens the sentence implies is admitted (no worker serves the
+    # card, so the stream's headers are all there is to see).
+    body = {"model": "tiny-test", "max_tokens": room, "messages": MESSAGES, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=api) as http_client,
+        http_client.stream("POST", "/v1/messages", json=body) as response,
+    ):
+        assert response.status_code == 200
 
 
 async def test_unknown_model_is_404_not_found(
@@ -200,3 +234,24 @@ async def test_models_list_parses_in_the_anthropic_sdk_and_head_probe(
     assert [m.id for m in listed] == ["tiny-test"]
     assert listed[0].display_name and listed[0].created_at.year >= 2023
     assert (await http.head("/")).status_code == 200
+
+
+async def test_server_tools_are_accepted_and_named_in_a_header(
+    api: str, tiny_model: ModelCard
+) -> None:
+    tools = [
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+        {"name": "f", "input_schema": {"type": "object"}},
+    ]
+    body = {"model": "tiny-test", "max_tokens": 5, "messages": MESSAGES, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=api) as http_client,
+        http_client.stream("POST", "/v1/messages", json={**body, "tools": tools}) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["x-sluice-ignored-tools"] == "web_search"
+    forced = {**body, "tools": tools, "tool_choice": {"type": "tool", "name": "web_search"}}
+    async with httpx.AsyncClient(base_url=api) as http_client:
+        rejected = await http_client.post("/v1/messages", json=forced)
+    assert rejected.status_code == 400
+    assert rejected.json()["error"]["type"] == "invalid_request_error"

@@ -204,7 +204,11 @@ async def nothing_enqueued(redis: aioredis.Redis) -> bool:
     ("extra", "param"),
     [
         ({"text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}}, "text.format"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "web_searcher"}]}, "tools[0].type"),
+        (
+            {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+            "tool_choice.type",
+        ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"max_output_tokens": "many"}, "max_output_tokens"),
         ({"previous_response_id": "resp_missing"}, "previous_response_id"),
@@ -240,3 +244,42 @@ async def test_rejection_before_start(client: openai.AsyncOpenAI, redis: aioredi
     raw = await client.responses.create(stream=True, **request("bogus"))  # type: ignore[call-overload]
     kinds = [event.type async for event in raw]
     assert kinds == ["response.created", "response.in_progress", "error", "response.failed"]
+
+
+async def test_namespaced_and_hosted_tools_end_to_end(client: openai.AsyncOpenAI) -> None:
+    # Codex's shape: a namespace of functions plus a hosted web_search it cannot expect us to run.
+    namespace = {
+        "type": "namespace",
+        "name": "weather",
+        "description": "Weather tools",
+        "tools": [{**TOOLS[0]}],
+    }
+    hosted = {"type": "web_search", "external_web_access": False}
+    body = {**request("tool_call"), "tools": [namespace, hosted]}
+    raw = await client.responses.with_raw_response.create(**body)  # type: ignore[call-overload]
+    assert raw.headers["x-sluice-ignored-tools"] == "web_search"
+    response = raw.parse()
+    call = response.output[-1]
+    assert call.type == "function_call"
+    assert (call.name, call.namespace, json.loads(call.arguments)) == (
+        "get_weather",
+        "weather",
+        {"city": "Paris"},
+    )
+    assert [t.type for t in response.tools] == ["namespace", "web_search"]
+    async with client.responses.stream(**body) as stream:  # type: ignore[call-overload]
+        final = await stream.get_final_response()
+    streamed = final.output[-1]
+    assert streamed.type == "function_call" and streamed.namespace == "weather"
+
+
+async def test_reasoning_summary_reaches_the_sdk_stream_helper(client: openai.AsyncOpenAI) -> None:
+    body = {**request("reasoning"), "reasoning": {"summary": "auto"}}
+    async with client.responses.stream(**body) as stream:  # type: ignore[call-overload]
+        summaries = [
+            e.delta async for e in stream if e.type == "response.reasoning_summary_text.delta"
+        ]
+        final = await stream.get_final_response()
+    item = final.output[0]
+    assert item.type == "reasoning" and item.content is not None
+    assert [s.text for s in item.summary] == ["".join(summaries)] == [item.content[0].text]

@@ -21,7 +21,7 @@ from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, sse_response
 from services.api.submit import new_request_id, submit
 from services.api.wire import openai_chat
-from services.api.wire.common import service_error
+from services.api.wire.common import IGNORED_TOOLS_HEADER, service_error
 from shared.accumulate import fold
 from shared.jobs import GenerateRequest
 
@@ -44,12 +44,14 @@ def _context(state: AppState, job: GenerateRequest, *, include_usage: bool) -> o
     )
 
 
-async def _completion(state: AppState, request: Request, ctx: openai_chat.Context) -> Response:
+async def _completion(
+    state: AppState, request: Request, ctx: openai_chat.Context, headers: dict[str, str]
+) -> Response:
     completion = fold(await collect_events(state, request, ctx.id))
     if completion.error is not None:
         raise service_error(completion.error)
     body = msgspec.json.encode(openai_chat.render(completion, ctx))
-    return Response(body, media_type="application/json", headers={"x-request-id": ctx.id})
+    return Response(body, media_type="application/json", headers=headers)
 
 
 @router.post("/v1/chat/completions")
@@ -63,9 +65,11 @@ async def create_chat_completion(request: Request) -> Response:
     )
     job = await submit(state, parsed.job, owner=await authenticate(request))
     ctx = _context(state, job, include_usage=parsed.options.include_usage)
-    if not parsed.options.stream:
-        return await _completion(state, request, ctx)
     headers = {"x-request-id": job.request_id}
+    if parsed.ignored_tools:
+        headers[IGNORED_TOOLS_HEADER] = ",".join(parsed.ignored_tools)
+    if not parsed.options.stream:
+        return await _completion(state, request, ctx, headers)
     return sse_response(state, request, job.request_id, openai_chat.Projector(ctx), headers=headers)
 
 
@@ -74,7 +78,8 @@ async def retrieve_chat_completion(rid: str, request: Request) -> Response:
     """The ``chat.completion`` of a stored request (waits for the end if still generating)."""
     state = get_state(request)
     job = await load_owned(state, REQUESTS, rid, await authenticate(request))
-    return await _completion(state, request, _context(state, job, include_usage=True))
+    ctx = _context(state, job, include_usage=True)
+    return await _completion(state, request, ctx, {"x-request-id": rid})
 
 
 @router.get("/v1/chat/completions/{rid}/events")

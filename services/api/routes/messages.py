@@ -23,6 +23,7 @@ from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, sse_response
 from services.api.submit import new_request_id, submit
 from services.api.wire import anthropic_messages
+from services.api.wire.common import IGNORED_TOOLS_HEADER
 from shared.accumulate import fold
 from shared.errors import InvalidRequest
 from shared.jobs import GenerateRequest
@@ -34,9 +35,12 @@ _JSON = msgspec.json.Encoder()
 _PING = anthropic_messages.PING
 
 
-def _context(job: GenerateRequest) -> anthropic_messages.Context:
+def _context(state: AppState, job: GenerateRequest) -> anthropic_messages.Context:
     return anthropic_messages.Context(
-        message_id=job.request_id, model=job.model, show_thinking=job.reasoning.visible
+        message_id=job.request_id,
+        model=job.model,
+        show_thinking=job.reasoning.visible,
+        signer=state.signer,
     )
 
 
@@ -46,10 +50,14 @@ async def create_message(request: Request) -> Response:
     state = get_state(request)
     owner = await authenticate(request)
     req = anthropic_messages.parse_request(await request.body())
+    req = anthropic_messages.restore_thinking(req, state.signer)
     job = anthropic_messages.build_job(req, request_id=new_request_id("msg"))
     job = await submit(state, job, owner=owner)
-    rid, ctx = job.request_id, _context(job)
+    rid, ctx = job.request_id, _context(state, job)
     headers = {"request-id": rid}
+    ignored = anthropic_messages.ignored_tools(req)
+    if ignored:
+        headers[IGNORED_TOOLS_HEADER] = ",".join(ignored)
     if req.stream:
         projector = anthropic_messages.Projector(ctx)
         return sse_response(state, request, rid, projector, keepalive=_PING, headers=headers)
@@ -79,7 +87,7 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _stored(state: AppState, request: Request, rid: str) -> anthropic_messages.Context:
-    return _context(await load_owned(state, REQUESTS, rid, await authenticate(request)))
+    return _context(state, await load_owned(state, REQUESTS, rid, await authenticate(request)))
 
 
 @router.get("/v1/messages/{rid}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Literal
 
 import msgspec
 from fastapi import APIRouter, Request, Response
@@ -28,12 +29,15 @@ __all__ = ["router"]
 
 router = APIRouter()
 
+_ENCRYPTED = "reasoning.encrypted_content"  # include value: reasoning items carry a token
 _CANCEL_WAIT_S = 5.0  # how long POST .../cancel waits for the worker to acknowledge
 
 
-def _json(obj: object, rid: str) -> Response:
+def _json(obj: object, rid: str, headers: dict[str, str] | None = None) -> Response:
     return Response(
-        msgspec.json.encode(obj), media_type="application/json", headers={"x-request-id": rid}
+        msgspec.json.encode(obj),
+        media_type="application/json",
+        headers={"x-request-id": rid, **(headers or {})},
     )
 
 
@@ -47,26 +51,74 @@ async def create_response(request: Request) -> Response:
     history = []
     if req.previous_response_id is not None:
         history = await responses_store.conversation(state, req.previous_response_id, owner)
-    conversation = openai_responses.input_messages(req, history)
+    conversation = openai_responses.input_messages(req, history, state.signer)
     job = openai_responses.build_job(
         req, request_id=rid, conversation=conversation, owner=owner, created=0.0
     )
+    encrypted = _ENCRYPTED in (req.include or [])
+    signer = state.signer if encrypted else None
     echo = openai_responses.skeleton(
         req, rid, 0
     )  # built before submit: every check passes before enqueueing
     job = await submit(state, job, owner=owner)
+    headers = {"x-request-id": rid}
+    ignored = openai_responses.tool_set(req).ignored
+    if ignored:  # hosted tools were accepted but not offered to the model: say which
+        headers[openai_responses.IGNORED_TOOLS_HEADER] = ",".join(ignored)
     echo = msgspec.structs.replace(echo, created_at=int(job.created))
     if echo.store:
-        await responses_store.save(state, owner, echo)
+        items = openai_responses.input_items(req.input, rid)
+        await responses_store.save(state, owner, echo, items, include_encrypted=encrypted)
     if echo.background:  # generation goes on without this connection; GET reads it later
-        return _json(msgspec.structs.replace(echo, status="queued"), rid)
+        return _json(msgspec.structs.replace(echo, status="queued"), rid, headers)
     if req.stream:
-        projector = openai_responses.Projector(openai_responses.Context(skeleton=echo))
-        return sse_response(state, request, rid, projector, headers={"x-request-id": rid})
+        ctx = openai_responses.Context(skeleton=echo, signer=signer)
+        projector = openai_responses.Projector(ctx)
+        return sse_response(state, request, rid, projector, headers=headers)
     completion = fold(await collect_events(state, request, rid))
     if completion.error is not None and completion.start is None:
         raise service_error(completion.error)  # rejected before generation: an HTTP error
-    return _json(openai_responses.render(completion, echo), rid)
+    ended = await responses_store.completed_at(state, rid)
+    body = openai_responses.render(completion, echo, completed_at=ended, signer=signer)
+    return _json(body, rid, headers)
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(request: Request) -> Response:
+    """Count the input tokens a create request would use, with the model's template."""
+    state = get_state(request)
+    owner = await authenticate(request)
+    req = openai_responses.parse_request(await request.body())
+    history = []
+    if req.previous_response_id is not None:
+        history = await responses_store.conversation(state, req.previous_response_id, owner)
+    conversation = openai_responses.input_messages(req, history, state.signer)
+    job = openai_responses.build_job(
+        req, request_id=new_request_id("resp"), conversation=conversation, owner=owner, created=0
+    )
+    loaded = await state.cards.get(job.model)
+    try:
+        count = await asyncio.to_thread(loaded.renderer.count_tokens, job)
+    except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
+        raise InvalidRequest(f"could not render the conversation: {exc}", param="input") from exc
+    body = {"object": "response.input_tokens", "input_tokens": count}
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    request: Request,
+    response_id: str,
+    after: str | None = None,
+    limit: int = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> Response:
+    """List the input items of a stored response (``client.responses.input_items.list``)."""
+    state = get_state(request)
+    owner = await authenticate(request)
+    record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
+    body = openai_responses.page(record.input_items, order=order, after=after, limit=limit)
+    return _json(body, response_id)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -78,7 +130,11 @@ async def retrieve_response(
     owner = await authenticate(request)
     record = await load_owned(state, responses_store.RESPONSES, response_id, owner)
     if stream:
-        ctx = openai_responses.Context(skeleton=record.skeleton, starting_after=starting_after)
+        ctx = openai_responses.Context(
+            skeleton=record.skeleton,
+            starting_after=starting_after,
+            signer=responses_store.signer_for(state, record),
+        )
         projector = openai_responses.Projector(ctx)
         headers = {"x-request-id": response_id}
         # An observer leaving (e.g. of a background response) must not stop the generation.

@@ -22,6 +22,7 @@ from shared.jobs import ReasoningEffort
 
 __all__ = [
     "EFFORTS",
+    "IGNORED_TOOLS_HEADER",
     "JsonObject",
     "check_range",
     "decode_body",
@@ -32,6 +33,10 @@ __all__ = [
 
 JsonObject = dict[str, object]
 T = TypeVar("T")
+
+# Tools a client declared that sluice cannot run (hosted/server tools, Chat's custom tools) are
+# accepted, left out of the prompt and named in this response header, comma-separated.
+IGNORED_TOOLS_HEADER = "x-sluice-ignored-tools"
 
 # Newer SDKs know efforts the job vocabulary does not; clamp them to the strongest we have.
 EFFORTS: dict[str, ReasoningEffort] = {

@@ -9,6 +9,7 @@ import pytest
 
 from services.api.wire.anthropic_messages import (
     build_job,
+    ignored_tools,
     parse_count_tokens_request,
     parse_request as parse_messages_request,
 )
@@ -299,9 +300,12 @@ def test_max_tokens_is_required_for_create_but_not_for_count_tokens() -> None:
             "no tool named 'g'",
         ),
         (
-            body(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
-            "tools[0].type",
-            "not supported",
+            body(
+                tools=[{"type": "web_search_20250305", "name": "web_search"}],
+                tool_choice={"type": "tool", "name": "web_search"},
+            ),
+            "tool_choice.name",
+            "server tool",
         ),
         (
             body(output_config={"format": {"type": "json_schema", "schema": {}}}),
@@ -314,3 +318,17 @@ def test_bad_input_is_a_clear_invalid_request(raw: bytes, param: str | None, fra
     err = rejected(raw)
     assert err.param == param
     assert fragment in err.message
+
+
+def test_server_tools_are_accepted_and_left_out_of_the_prompt() -> None:
+    req = parse_messages_request(
+        body(
+            tools=[
+                {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+                {"name": "f", "input_schema": {"type": "object"}},
+                {"type": "code_execution_20250825", "name": "code_execution"},
+            ]
+        )
+    )
+    assert ignored_tools(req) == ["web_search", "code_execution"]
+    assert [t.name for t in build_job(req, request_id="msg_1").tools] == ["f"]

@@ -236,7 +236,19 @@ def test_tools_and_tool_choice() -> None:
 
 
 def test_bad_tools_are_rejected() -> None:
-    rejects({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0]")
+    rejects({"tools": [{"type": "custom", "custom": {}}]}, "tools[0].custom")
+    custom = {"type": "custom", "custom": {"name": "x"}}
+    rejects(
+        {"tools": [custom], "tool_choice": {"type": "custom", "custom": {"name": "x"}}},
+        "tool_choice",
+    )
+
+
+def test_custom_tools_are_accepted_and_left_out_of_the_prompt() -> None:
+    custom = {"type": "custom", "custom": {"name": "apply_patch", "format": {"type": "text"}}}
+    parsed = parse({"tools": [custom, *TOOLS]})
+    assert parsed.ignored_tools == ["apply_patch"]
+    assert [t.name for t in parsed.job.tools] == [t["function"]["name"] for t in TOOLS]
     rejects({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice")
     rejects({"tool_choice": "required"}, "tool_choice")
     missing = {"type": "function", "function": {"name": "nope"}}

@@ -154,7 +154,8 @@ def test_eos_before_the_close_marker_still_ends_a_complete_call() -> None:
 
 def test_text_after_a_call_is_text() -> None:
     done = fold(drive([*hermes(WEATHER_CALL), *ids(" Done."), EOS]))
-    assert done.text == " Done." and len(done.tool_calls) == 1
+    # The space after the call separates it from the text (shared.separators).
+    assert done.text == "Done." and len(done.tool_calls) == 1
 
 
 def test_parallel_tool_calls_false_stops_after_the_first_call() -> None:

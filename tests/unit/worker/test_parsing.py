@@ -109,7 +109,8 @@ def test_split_invariance_reasoning_text_and_calls(rng: random.Random) -> None:
     assert summary(drive(script(rng, SEGMENTS), starts_in_reasoning=True)) == baseline
     reasoning, text, calls, finish = baseline
     assert reasoning == "Let me think 😀 about <tool_call> and naïve café."
-    assert text == "Sure — checking “both” cities:  Done 東京."
+    # The space after the calls only separates them from the text (shared.separators).
+    assert text == "Sure — checking “both” cities: Done 東京."
     assert [c[2] for c in calls] == ["get_weather", "get_time"]  # type: ignore[index]
     assert json.loads(calls[0][3])["s"] == 'a"b\\'  # type: ignore[index]
     assert finish == "tool_use"

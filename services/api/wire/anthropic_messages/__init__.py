@@ -11,10 +11,12 @@ from services.api.wire.anthropic_messages.projector import PING, Projector
 from services.api.wire.anthropic_messages.render import render, tool_use_id
 from services.api.wire.anthropic_messages.request import (
     build_job,
+    ignored_tools,
     parse_count_tokens_request,
     parse_request,
 )
 from services.api.wire.anthropic_messages.request_types import MessagesRequest
+from services.api.wire.anthropic_messages.thinking import restore_thinking
 from services.api.wire.anthropic_messages.types import Context, Message
 
 __all__ = [
@@ -25,9 +27,11 @@ __all__ = [
     "Projector",
     "build_job",
     "error_body",
+    "ignored_tools",
     "parse_count_tokens_request",
     "parse_request",
     "render",
+    "restore_thinking",
     "service_error",
     "tool_use_id",
 ]

@@ -9,10 +9,10 @@ terminal ``Error`` (with ``retry-after`` on overload, which Anthropic clients ho
 from __future__ import annotations
 
 from services.api.wire import common
-from shared.errors import ServiceError
+from shared.errors import ContextOverflow, ServiceError
 from shared.events import Error, ErrorKind
 
-__all__ = ["error_body", "error_type", "service_error"]
+__all__ = ["context_message", "error_body", "error_type", "service_error"]
 
 _TYPES_BY_STATUS = {
     400: "invalid_request_error",
@@ -48,7 +48,32 @@ def error_body(err: ServiceError) -> tuple[int, dict[str, object]]:
     kind = _TYPES_BY_STATUS.get(status)
     if kind is None:
         kind = "api_error" if status >= 500 else "invalid_request_error"
-    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
+    message = context_message(err) if isinstance(err, ContextOverflow) else None
+    return status, {"type": "error", "error": {"type": kind, "message": message or err.message}}
+
+
+def context_message(err: ContextOverflow) -> str | None:
+    """Anthropic's own sentence for a request that does not fit the context, when known.
+
+    Claude Code reads the three numbers out of the first form and retries with a ``max_tokens``
+    that fits; the second tells it the prompt alone is too long, so it compacts the
+    conversation. Any other wording (OpenAI's, say) makes it give up on the first request.
+
+    Args:
+        err: the overflow, with the counts admission measured.
+
+    Returns:
+        The message, or None when the error carries no counts (the worker's KV budget).
+    """
+    prompt, wanted, limit = err.prompt_tokens, err.max_tokens, err.context_length
+    if prompt is None or wanted is None or limit is None:
+        return None
+    if prompt > limit:
+        return f"prompt is too long: {prompt} tokens > {limit} maximum"
+    return (
+        f"input length and `max_tokens` exceed context limit: {prompt} + {wanted} > {limit}, "
+        "decrease input length or `max_tokens` and try again"
+    )
 
 
 def error_type(kind: ErrorKind) -> str:

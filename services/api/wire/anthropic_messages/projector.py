@@ -55,6 +55,7 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
+from shared.separators import SeparatorGate
 
 __all__ = ["PING", "Projector"]
 
@@ -84,6 +85,8 @@ class Projector:
         Args:
             ctx: ids and options of the request.
         """
+        self._gate = SeparatorGate()
+        self._thinking = ""  # the open thinking block's text, signed when it stops
         self._ctx = ctx
         self._started = False
         self._done = False
@@ -92,7 +95,18 @@ class Projector:
         self._open_call: int | None = None
         self._usage: Usage | None = None
 
-    def feed(self, event: AnyEvent) -> list[Frame]:  # noqa: C901 - one flat case per event type
+    def feed(self, event: AnyEvent) -> list[Frame]:
+        """Project one event (separator whitespace dropped first, as ``fold`` drops it).
+
+        Args:
+            event: the next event of the stream.
+
+        Returns:
+            The SSE frames to send (possibly none).
+        """
+        return [frame for shown in self._gate.feed(event) for frame in self._project(shown)]
+
+    def _project(self, event: AnyEvent) -> list[Frame]:  # noqa: C901 - one flat case per event type
         """Project one event.
 
         Args:
@@ -113,6 +127,7 @@ class Projector:
                 return frames
             case ReasoningDelta():
                 frames = self._switch("thinking")
+                self._thinking += event.text
                 if event.text and self._ctx.show_thinking:
                     frames.append(self._delta(ThinkingDeltaOut(thinking=event.text)))
                 return frames
@@ -192,7 +207,10 @@ class Projector:
         if self._open == "thinking":
             # Every thinking block ends with one signature_delta, even when the model's block
             # was cut short (max_tokens) or never closed: clients echo the block back with it.
+            if self._ctx.signer is not None:
+                signature = self._ctx.signer.sign(self._thinking)
             frames.append(self._delta(SignatureDeltaOut(signature=signature)))
+            self._thinking = ""
         frames.append(_frame(ContentBlockStop(index=self._next_index)))
         self._open, self._open_call = None, None
         self._next_index += 1

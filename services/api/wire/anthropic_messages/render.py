@@ -118,7 +118,10 @@ def render(completion: Completion, ctx: Context) -> Message:
                 content.append(TextOut(text=block.text))
             case ReasoningBlock():
                 thinking = block.text if ctx.show_thinking else ""
-                content.append(ThinkingOut(thinking=thinking, signature=block.signature or ""))
+                signature = block.signature or ""
+                if ctx.signer is not None:
+                    signature = ctx.signer.sign(block.text)
+                content.append(ThinkingOut(thinking=thinking, signature=signature))
             case ToolCallBlock():
                 content.append(
                     ToolUseOut(

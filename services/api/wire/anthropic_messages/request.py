@@ -27,6 +27,7 @@ from services.api.wire.anthropic_messages.request_types import (
     RedactedThinkingBlock,
     TextBlock,
     ThinkingBlock,
+    Tool,
     ToolChoiceParam,
     ToolResultBlock,
     ToolUseBlock,
@@ -47,6 +48,7 @@ from shared.jobs import (
 __all__ = [
     "MessagesRequest",
     "build_job",
+    "ignored_tools",
     "parse_count_tokens_request",
     "parse_request",
 ]
@@ -124,19 +126,41 @@ def _validate(req: MessagesRequest) -> None:
     _validate_tools(req)
 
 
+def _is_client_tool(tool: Tool) -> bool:
+    return tool.type in (None, "custom")
+
+
+def ignored_tools(req: MessagesRequest) -> list[str]:
+    """The names of the versioned (server or Anthropic-defined) tools left out of the prompt.
+
+    ``web_search_20250305``, ``code_execution_*``, ``bash_*`` and the like run on Anthropic's
+    side or need a model trained on them; sluice accepts them, does not offer them to the model
+    and names them in the ``x-sluice-ignored-tools`` response header.
+
+    Args:
+        req: the parsed request.
+
+    Returns:
+        Their names, in request order.
+    """
+    return [t.name for t in req.tools or [] if not _is_client_tool(t)]
+
+
 def _validate_tools(req: MessagesRequest) -> None:
     names = set()
+    ignored = set(ignored_tools(req))
     for i, tool in enumerate(req.tools or []):
-        if tool.type not in (None, "custom"):
-            raise InvalidRequest(
-                f"tools[{i}]: server tool type {tool.type!r} is not supported; "
-                "declare client tools with name and input_schema",
-                param=f"tools[{i}].type",
-            )
+        if not _is_client_tool(tool):
+            continue
         if not tool.name:
             raise InvalidRequest(f"tools[{i}].name: Field required", param=f"tools[{i}].name")
         names.add(tool.name)
     choice = req.tool_choice
+    if choice is not None and choice.type == "tool" and choice.name in ignored:
+        raise InvalidRequest(
+            f"tool_choice.name: {choice.name!r} is a server tool this server cannot run",
+            param="tool_choice.name",
+        )
     if choice is not None and choice.type in ("any", "tool") and not names:
         raise InvalidRequest(
             f"tool_choice: type {choice.type!r} requires tools", param="tool_choice"
@@ -185,6 +209,7 @@ def build_job(
         tools=[
             ToolDef(name=t.name, description=t.description, parameters=t.input_schema)
             for t in req.tools or []
+            if _is_client_tool(t)
         ],
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),

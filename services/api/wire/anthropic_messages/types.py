@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from services.api.wire.common import JsonObject
+from services.api.wire.reasoning_tokens import ReasoningSigner
 
 __all__ = [
     "BlockDelta",
@@ -53,11 +54,13 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
         model: the model name the client asked for.
         show_thinking: False for ``thinking.display: "omitted"``: thinking blocks keep their
             place and signature but carry no text, as Anthropic's API does.
+        signer: signs each thinking block's text into its ``signature`` (None: empty ones).
     """
 
     message_id: str
     model: str
     show_thinking: bool = True
+    signer: ReasoningSigner | None = None
 
 
 class UsageOut(msgspec.Struct, frozen=True):

@@ -42,6 +42,7 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
+from shared.separators import SeparatorGate
 
 __all__ = ["Projector"]
 
@@ -66,6 +67,7 @@ class Projector:
 
     def __init__(self, ctx: Context) -> None:
         """Start a projection for the request described by ``ctx``."""
+        self._gate = SeparatorGate()
         self._ctx = ctx
         self._role_sent = False
         self._tool_calls = False
@@ -73,6 +75,17 @@ class Projector:
         self._closed = False
 
     def feed(self, event: AnyEvent) -> list[Frame]:
+        """Project one event (separator whitespace dropped first, as ``fold`` drops it).
+
+        Args:
+            event: the next event of the stream.
+
+        Returns:
+            The SSE frames to send (possibly none).
+        """
+        return [frame for shown in self._gate.feed(event) for frame in self._project(shown)]
+
+    def _project(self, event: AnyEvent) -> list[Frame]:
         """Project one event.
 
         Args:

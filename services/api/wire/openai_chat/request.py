@@ -73,6 +73,7 @@ class _FunctionDef(msgspec.Struct, forbid_unknown_fields=False):
 class _Tool(msgspec.Struct, forbid_unknown_fields=False):
     type: str
     function: _FunctionDef | None = None
+    custom: JsonObject | None = None
 
 
 class _StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
@@ -131,6 +132,7 @@ class ParsedChat(msgspec.Struct, frozen=True, kw_only=True):
 
     job: GenerateRequest
     options: ChatOptions
+    ignored_tools: list[str] = []  # custom tools' names: accepted, not offered to the model
 
 
 _DECODER = msgspec.json.Decoder(ChatRequest)
@@ -157,14 +159,14 @@ def parse_request(
     _check_unsupported(req)
     include_reasoning = bool(req.include_reasoning) or include_reasoning_header
     kwargs = dict(req.chat_template_kwargs or {})
-    tools = _tools(req.tools)
+    tools, ignored = _tools(req.tools)
     job = GenerateRequest(
         request_id=request_id,
         model=req.model,
         origin="openai_chat",
         messages=_messages(req.messages),
         tools=tools,
-        tool_choice=_tool_choice(req.tool_choice, tools),
+        tool_choice=_tool_choice(req.tool_choice, tools, ignored),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         sampling=_sampling(req),
         max_tokens=_max_tokens(req),
@@ -181,7 +183,7 @@ def parse_request(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         include_reasoning=include_reasoning,
     )
-    return ParsedChat(job=job, options=options)
+    return ParsedChat(job=job, options=options, ignored_tools=ignored)
 
 
 def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
@@ -273,9 +275,18 @@ def _history_call(call: _ToolCall, param: str) -> ToolCall:
     return ToolCall(id=call.id, name=call.function.name, arguments=text or "{}")
 
 
-def _tools(raw: list[_Tool] | None) -> list[ToolDef]:
+def _tools(raw: list[_Tool] | None) -> tuple[list[ToolDef], list[str]]:
     out: list[ToolDef] = []
+    ignored: list[str] = []
     for i, tool in enumerate(raw or []):
+        if tool.type == "custom":
+            # Chat has no item for a freeform call that every client parses: like a hosted
+            # tool, a custom tool is accepted, kept out of the prompt and named in a header.
+            name = tool.custom.get("name") if isinstance(tool.custom, dict) else None
+            if not isinstance(name, str):
+                raise InvalidRequest("custom tools need custom.name", param=f"tools[{i}].custom")
+            ignored.append(name)
+            continue
         if tool.type != "function" or tool.function is None:
             raise InvalidRequest(
                 f"tool type {tool.type!r} is not supported (function tools only)",
@@ -285,10 +296,12 @@ def _tools(raw: list[_Tool] | None) -> list[ToolDef]:
         out.append(
             ToolDef(name=fn.name, description=fn.description, parameters=fn.parameters or {})
         )
-    return out
+    return out, ignored
 
 
-def _tool_choice(raw: str | JsonObject | None, tools: list[ToolDef]) -> ToolChoice:
+def _tool_choice(
+    raw: str | JsonObject | None, tools: list[ToolDef], ignored: list[str]
+) -> ToolChoice:
     names = {t.name for t in tools}
     if raw is None:
         return ToolChoice(mode="auto" if tools else "none")
@@ -298,6 +311,14 @@ def _tool_choice(raw: str | JsonObject | None, tools: list[ToolDef]) -> ToolChoi
         if raw == "required" and not tools:
             raise InvalidRequest("tool_choice 'required' needs tools", param="tool_choice")
         return ToolChoice(mode=raw)  # type: ignore[arg-type]  # narrowed by the check above
+    if raw.get("type") == "custom":
+        custom = raw.get("custom")
+        forced = custom.get("name") if isinstance(custom, dict) else None
+        raise InvalidRequest(
+            f"tool_choice forces the custom tool {forced!r}, which this server does not offer "
+            f"to the model (ignored: {', '.join(ignored) or 'none'})",
+            param="tool_choice",
+        )
     fn = raw.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if raw.get("type") != "function" or not isinstance(name, str):

@@ -9,12 +9,15 @@ Foreign ``encrypted_content`` on reasoning items is accepted and ignored. Pure: 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
 
 from services.api.wire.common import JsonObject, error_location
+from services.api.wire.openai_responses.tools import CUSTOM_INPUT, exposed_name
+from services.api.wire.reasoning_tokens import ReasoningSigner
 from shared.errors import InvalidRequest
 from shared.jobs import Message, TextPart, ToolCall
 
@@ -36,6 +39,26 @@ class _FunctionCallIn(msgspec.Struct, kw_only=True):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
+
+
+class _CustomCallIn(msgspec.Struct, kw_only=True):
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
+
+
+class _ToolSearchCallIn(msgspec.Struct, kw_only=True):
+    call_id: str | None = None
+    id: str | None = None
+    arguments: object = None
+
+
+class _ToolSearchOutputIn(msgspec.Struct, kw_only=True):
+    call_id: str | None = None
+    id: str | None = None
+    tools: list[JsonObject] = []
 
 
 class _FunctionCallOutputIn(msgspec.Struct, kw_only=True):
@@ -46,7 +69,7 @@ class _FunctionCallOutputIn(msgspec.Struct, kw_only=True):
 class _ReasoningIn(msgspec.Struct, kw_only=True):
     summary: list[_Part] = []
     content: list[_Part] | None = None
-    encrypted_content: str | None = None  # opaque, possibly from another server: ignored
+    encrypted_content: str | None = None  # sluice's restores the text; another server's: ignored
 
 
 def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> InvalidRequest:
@@ -86,7 +109,8 @@ def _content_text(content: str | list[_Part], where: str) -> str:
 class _Conversation:
     """Folds items into turns: one assistant message per turn gathers reasoning, text, calls."""
 
-    def __init__(self, prior: Sequence[Message]) -> None:
+    def __init__(self, prior: Sequence[Message], signer: ReasoningSigner | None) -> None:
+        self.signer = signer
         self.messages: list[Message] = list(prior)
         self.call_names = {c.id: c.name for m in prior for c in m.tool_calls}
         self._text: list[str] = []
@@ -128,7 +152,11 @@ class _Conversation:
 
 
 def items_to_messages(
-    items: Sequence[JsonObject], prior: Sequence[Message] = (), *, param: str = "input"
+    items: Sequence[JsonObject],
+    prior: Sequence[Message] = (),
+    *,
+    param: str = "input",
+    signer: ReasoningSigner | None = None,
 ) -> list[Message]:
     """Map Responses items (input items, or a stored response's output) onto turns.
 
@@ -136,6 +164,7 @@ def items_to_messages(
         items: message, function_call, function_call_output and reasoning items.
         prior: turns that come before these items (their tool calls name later outputs).
         param: the request field the items came from, for error messages.
+        signer: verifies sluice's own ``encrypted_content`` and restores the reasoning in it.
 
     Returns:
         ``prior`` followed by the items' turns.
@@ -143,7 +172,7 @@ def items_to_messages(
     Raises:
         InvalidRequest: an unknown item type or a malformed item.
     """
-    conv = _Conversation(prior)
+    conv = _Conversation(prior, signer)
     for i, item in enumerate(items):
         where = f"{param}[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
@@ -166,23 +195,52 @@ def _add_item(conv: _Conversation, kind: object, item: JsonObject, where: str) -
             conv.append(Message(role=role, content=[TextPart(text=text)]))
     elif kind == "function_call":
         fc = msgspec.convert(item, _FunctionCallIn)
-        conv.call(ToolCall(id=fc.call_id, name=fc.name, arguments=fc.arguments))
-    elif kind == "function_call_output":
+        name = exposed_name(fc.name, fc.namespace)
+        conv.call(ToolCall(id=fc.call_id, name=name, arguments=fc.arguments))
+    elif kind == "custom_tool_call":
+        # Replayed the way the model was offered it: a function of one ``input`` string.
+        cc = msgspec.convert(item, _CustomCallIn)
+        arguments = json.dumps({CUSTOM_INPUT: cc.input}, ensure_ascii=False)
+        name = exposed_name(cc.name, cc.namespace)
+        conv.call(ToolCall(id=cc.call_id, name=name, arguments=arguments))
+    elif kind == "tool_search_call":
+        ts = msgspec.convert(item, _ToolSearchCallIn)
+        arguments = json.dumps(ts.arguments if ts.arguments is not None else {})
+        conv.call(ToolCall(id=ts.call_id or ts.id or "", name="tool_search", arguments=arguments))
+    elif kind == "tool_search_output":
+        found = msgspec.convert(item, _ToolSearchOutputIn)
+        call_id = found.call_id or found.id or ""
+        text = json.dumps(found.tools, ensure_ascii=False)
+        conv.append(
+            Message(
+                role="tool", content=[TextPart(text=text)], tool_call_id=call_id, name="tool_search"
+            )
+        )
+    elif kind in ("function_call_output", "custom_tool_call_output"):
         out = msgspec.convert(item, _FunctionCallOutputIn)
         text = _content_text(out.output, f"{where}.output")
-        name = conv.call_names.get(out.call_id)
         conv.append(
-            Message(role="tool", content=[TextPart(text=text)], tool_call_id=out.call_id, name=name)
+            Message(
+                role="tool",
+                content=[TextPart(text=text)],
+                tool_call_id=out.call_id,
+                name=conv.call_names.get(out.call_id),
+            )
         )
     elif kind == "reasoning":
         rs = msgspec.convert(item, _ReasoningIn)
         # Raw reasoning text is what the model wrote; a summary is the next best thing. An
         # encrypted blob we cannot read (another server's) is ignored, never an error.
         parts = rs.content if rs.content else rs.summary
-        conv.reasoning("".join(_part_text(p, f"{where}.content") for p in parts))
+        text = "".join(_part_text(p, f"{where}.content") for p in parts)
+        if conv.signer is not None:
+            # Codex (store: false) sends back only the summary and this token.
+            text = conv.signer.check(rs.encrypted_content, text, f"{where}.encrypted_content")
+        conv.reasoning(text)
     else:
         raise InvalidRequest(
             f"Input item type {kind!r} is not supported; use message, function_call, "
-            "function_call_output or reasoning items",
+            "function_call_output, custom_tool_call(_output), tool_search_call/output or "
+            "reasoning items",
             param=f"{where}.type",
         )

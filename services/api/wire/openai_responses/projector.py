@@ -10,14 +10,29 @@ from __future__ import annotations
 
 from typing import assert_never
 
+from services.api.wire.openai_responses.call_types import (
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+)
+from services.api.wire.openai_responses.delta_events import (
+    ReasoningSummaryPartAdded,
+    ReasoningSummaryPartDone,
+    ReasoningSummaryTextDelta,
+    ReasoningSummaryTextDone,
+    SummaryPart,
+)
 from services.api.wire.openai_responses.render import (
     ItemKind,
     build_item,
+    call_item_id,
+    entry_seconds,
     final_response,
     item_id,
     logprobs_out,
     terminal_status,
+    wants_summary,
 )
+from services.api.wire.openai_responses.tools import Route, custom_input, routes
 from services.api.wire.openai_responses.types import (
     ContentPartAdded,
     ContentPartDone,
@@ -56,6 +71,7 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
+from shared.separators import SeparatorGate
 
 __all__ = ["Projector"]
 
@@ -63,8 +79,15 @@ __all__ = ["Projector"]
 class _OpenItem:
     """The item being streamed; it stays open until an event of another kind (or the end)."""
 
-    def __init__(self, kind: ItemKind, iid: str, index: int, call: ToolCallStart | None) -> None:
-        self.kind, self.id, self.index, self.call = kind, iid, index, call
+    def __init__(
+        self,
+        kind: ItemKind,
+        iid: str,
+        index: int,
+        call: ToolCallStart | None,
+        route: Route | None = None,
+    ) -> None:
+        self.kind, self.id, self.index, self.call, self.route = kind, iid, index, call, route
         self.text = ""
         self.logprobs: list[Logprob] = []
         self.accepting = True  # False after ReasoningEnd / ToolCallEnd: the next delta is new
@@ -90,6 +113,10 @@ class Projector:
         self._items: list[OutputItem] = []
         self._open: _OpenItem | None = None
         self._usage: Usage | None = None
+        self._routes = routes(ctx.skeleton.tools)
+        self._gate = SeparatorGate()
+        self._completed_at: int | None = None
+        self._summary = wants_summary(ctx.skeleton)
 
     def feed(self, event: AnyEvent) -> list[Frame]:
         """Project one event.
@@ -107,8 +134,17 @@ class Projector:
             self._started = True
             out.append(self._lifecycle("response.created", self._ctx.skeleton))
             out.append(self._lifecycle("response.in_progress", self._ctx.skeleton))
-        self._dispatch(event, out)
+        for shown in self._gate.feed(event):  # separator whitespace dropped, as fold drops it
+            self._dispatch(shown, out)
         return self._frames(out)
+
+    def stamp(self, entry_id: str) -> None:
+        """Note the log entry id of the event about to be fed (its time is ``completed_at``).
+
+        Args:
+            entry_id: the Redis stream entry id.
+        """
+        self._completed_at = entry_seconds(entry_id)
 
     def close(self) -> list[Frame]:
         """Nothing follows the terminal event: the connection simply closes (Codex needs EOF).
@@ -132,6 +168,11 @@ class Projector:
                 item = self._ensure(out, "reasoning", None)
                 item.text += event.text
                 out.append(ReasoningTextDelta(item.id, item.index, 0, event.text, self._n()))
+                if self._summary:
+                    summary = ReasoningSummaryTextDelta(
+                        item.id, item.index, 0, event.text, self._n()
+                    )
+                    out.append(summary)
             case ReasoningEnd():
                 self._stop_accepting("reasoning", None)
             case ToolCallStart():
@@ -140,6 +181,8 @@ class Projector:
                 call = self._open
                 if call is not None and call.kind == "function_call":
                     call.text += event.fragment
+                    if call.route is not None and call.route.kind != "function":
+                        return  # freeform input and search arguments arrive whole at the end
                     delta = FunctionCallArgumentsDelta(
                         call.id, call.index, event.fragment, self._n()
                     )
@@ -180,15 +223,23 @@ class Projector:
             return item
         self._close_item(out, "completed")
         index = len(self._items)
-        item = _OpenItem(kind, item_id(self._ctx.skeleton.id, kind, index), index, call)
+        route = self._routes.get(call.name) if call is not None else None
+        iid = (
+            call_item_id(self._ctx.skeleton.id, route, index)
+            if kind == "function_call"
+            else item_id(self._ctx.skeleton.id, kind, index)
+        )
+        item = _OpenItem(kind, iid, index, call, route)
         self._open = item
         if kind == "function_call":
-            added = build_item(kind, item.id, "in_progress", "", [], call)
+            added = build_item(kind, item.id, "in_progress", "", [], call, route)
         elif kind == "message":
             added = MessageItem(id=item.id, status="in_progress")
         else:
             added = ReasoningItem(id=item.id, status="in_progress")
         out.append(OutputItemAdded(index, added, self._n()))
+        if kind == "reasoning" and self._summary:
+            out.append(ReasoningSummaryPartAdded(item.id, index, 0, SummaryPart(), self._n()))
         if kind != "function_call":
             part = OutputText() if kind == "message" else ReasoningText()
             out.append(ContentPartAdded(item.id, index, 0, part, self._n()))
@@ -198,7 +249,17 @@ class Projector:
         item, self._open = self._open, None
         if item is None:
             return
-        final = build_item(item.kind, item.id, status, item.text, item.logprobs, item.call)
+        final = build_item(
+            item.kind,
+            item.id,
+            status,
+            item.text,
+            item.logprobs,
+            item.call,
+            item.route,
+            summary=self._summary,
+            signer=self._ctx.signer,
+        )
         n = self._n
         if item.kind == "message":
             part: OutputText | ReasoningText = OutputText(text=item.text, logprobs=item.logprobs)
@@ -208,11 +269,18 @@ class Projector:
             part = ReasoningText(text=item.text)
             out.append(ReasoningTextDone(item.id, item.index, 0, item.text, n()))
             out.append(ContentPartDone(item.id, item.index, 0, part, n()))
-        else:
+            if self._summary:
+                summary = SummaryPart(text=item.text)
+                out.append(ReasoningSummaryTextDone(item.id, item.index, 0, item.text, n()))
+                out.append(ReasoningSummaryPartDone(item.id, item.index, 0, summary, n()))
+        elif item.route is not None and item.route.kind == "custom":
+            text = custom_input(item.text)
+            out.append(CustomToolCallInputDelta(item.id, item.index, text, n()))
+            out.append(CustomToolCallInputDone(item.id, item.index, text, n()))
+        elif item.route is None or item.route.kind == "function":
             assert item.call is not None
-            out.append(
-                FunctionCallArgumentsDone(item.id, item.index, item.call.name, item.text, n())
-            )
+            name = item.route.name if item.route is not None else item.call.name
+            out.append(FunctionCallArgumentsDone(item.id, item.index, name, item.text, n()))
         out.append(OutputItemDone(item.index, final, n()))
         self._items.append(final)
 
@@ -220,7 +288,9 @@ class Projector:
         self._ended = True
         status, kind = terminal_status(finish, error)
         self._close_item(out, "completed" if status == "completed" else "incomplete")
-        final = final_response(self._ctx.skeleton, list(self._items), self._usage, finish, error)
+        final = final_response(
+            self._ctx.skeleton, list(self._items), self._usage, finish, error, self._completed_at
+        )
         if error is not None and final.error is not None:
             out.append(ErrorEvent(final.error.code, error.message, None, self._n()))
         out.append(self._lifecycle(kind, final))

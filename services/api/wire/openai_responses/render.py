@@ -12,6 +12,8 @@ from typing import Literal, assert_never
 
 import msgspec
 
+from services.api.wire.openai_responses.call_types import CustomToolCallItem, ToolSearchCallItem
+from services.api.wire.openai_responses.tools import Route, call_arguments, custom_input, routes
 from services.api.wire.openai_responses.types import (
     FunctionCallItem,
     IncompleteDetails,
@@ -28,19 +30,24 @@ from services.api.wire.openai_responses.types import (
     ResponseError,
     ResponseStatus,
     ResponseUsage,
+    SummaryText,
     TopLogprob,
 )
+from services.api.wire.reasoning_tokens import ReasoningSigner
 from shared.accumulate import Completion, ReasoningBlock, TextBlock, ToolCallBlock
 from shared.events import Error, Finish, TokenLogprob, ToolCallStart, Usage
 
 __all__ = [
     "ItemKind",
     "build_item",
+    "call_item_id",
+    "entry_seconds",
     "final_response",
     "item_id",
     "logprobs_out",
     "render",
     "terminal_status",
+    "wants_summary",
 ]
 
 ItemKind = Literal["message", "reasoning", "function_call"]
@@ -61,6 +68,24 @@ def item_id(response_id: str, kind: ItemKind, output_index: int) -> str:
         e.g. ``msg_<response suffix>_0``.
     """
     return f"{_PREFIX[kind]}_{response_id.removeprefix('resp_')}_{output_index}"
+
+
+_CALL_PREFIX = {"function": "fc", "custom": "ctc", "tool_search": "tsc"}
+
+
+def call_item_id(response_id: str, route: Route | None, output_index: int) -> str:
+    """The deterministic id of a call item, prefixed as OpenAI prefixes its kind.
+
+    Args:
+        response_id: ``resp_...``.
+        route: the called tool's route (None: an undeclared name, rendered as a function).
+        output_index: the item's position in ``output``.
+
+    Returns:
+        e.g. ``fc_<response suffix>_2`` or ``ctc_<response suffix>_2``.
+    """
+    prefix = _CALL_PREFIX[route.kind if route is not None else "function"]
+    return f"{prefix}_{response_id.removeprefix('resp_')}_{output_index}"
 
 
 def _call_id(call_id: str) -> str:
@@ -135,6 +160,7 @@ def final_response(
     usage: Usage | None,
     finish: Finish | None,
     error: Error | None,
+    completed_at: int | None = None,
 ) -> Response:
     """The skeleton completed with its output, usage, status and error.
 
@@ -144,6 +170,7 @@ def final_response(
         usage: the stream's ``Usage``, if any.
         finish: the stream's ``Finish``, if any.
         error: the stream's ``Error``, if any.
+        completed_at: unix seconds the terminal event was logged (kept only once it ended).
 
     Returns:
         The response as of those events.
@@ -161,6 +188,7 @@ def final_response(
             code=_ERROR_CODES.get(error.kind, "server_error"), message=error.message
         ),
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
+        completed_at=completed_at if status != "in_progress" else None,
     )
 
 
@@ -171,6 +199,10 @@ def build_item(
     text: str,
     logprobs: list[Logprob],
     call: ToolCallStart | None,
+    route: Route | None = None,
+    *,
+    summary: bool = False,
+    signer: ReasoningSigner | None = None,
 ) -> OutputItem:
     """One output item of ``kind`` in ``status``.
 
@@ -181,6 +213,10 @@ def build_item(
         text: the message or reasoning text, or the call's arguments.
         logprobs: a message's token logprobs.
         call: the ``ToolCallStart`` of a function call (None otherwise).
+        route: how the called tool maps back onto the wire (custom and tool-search calls
+            become their own item types, namespaced ones carry ``namespace``).
+        summary: a reasoning item also carries its text as a ``summary_text`` part.
+        signer: a finished reasoning item also carries its text signed as ``encrypted_content``.
 
     Returns:
         The item.
@@ -190,25 +226,58 @@ def build_item(
             id=iid, status=status, content=[OutputText(text=text, logprobs=logprobs)]
         )
     if kind == "reasoning":
-        return ReasoningItem(id=iid, status=status, content=[ReasoningText(text=text)])
+        parts = [SummaryText(text=text)] if summary else []
+        item = ReasoningItem(
+            id=iid, status=status, summary=parts, content=[ReasoningText(text=text)]
+        )
+        if signer is not None and status != "in_progress":
+            item.encrypted_content = signer.sign(text)
+        return item
     assert call is not None
+    call_id = _call_id(call.call_id)
+    if route is not None and route.kind == "custom":
+        return CustomToolCallItem(
+            id=iid,
+            status=status,
+            call_id=call_id,
+            input=custom_input(text) if text else "",
+            name=route.name,
+            namespace=route.namespace,
+        )
+    if route is not None and route.kind == "tool_search":
+        arguments = call_arguments(text) if text else {}
+        return ToolSearchCallItem(id=iid, status=status, arguments=arguments, call_id=call_id)
     return FunctionCallItem(
-        id=iid, status=status, arguments=text, call_id=_call_id(call.call_id), name=call.name
+        id=iid,
+        status=status,
+        arguments=text,
+        call_id=call_id,
+        name=route.name if route is not None else call.name,
+        namespace=route.namespace if route is not None else None,
     )
 
 
-def render(completion: Completion, skeleton: Response) -> Response:
+def render(
+    completion: Completion,
+    skeleton: Response,
+    *,
+    completed_at: int | None = None,
+    signer: ReasoningSigner | None = None,
+) -> Response:
     """Build the non-streaming response (also what GET returns) from folded events.
 
     Args:
         completion: ``fold(events)``; may be partial (still generating).
         skeleton: the request echo from ``request.skeleton``.
+        completed_at: when the terminal event was logged (``entry_seconds`` of its entry id).
+        signer: given when the request included ``reasoning.encrypted_content``.
 
     Returns:
         The response; the last item is ``incomplete`` when generation did not end naturally,
         ``in_progress`` while it has not ended.
     """
     status, _ = terminal_status(completion.finish, completion.error)
+    tool_routes = routes(skeleton.tools)
     output: list[OutputItem] = []
     for index, block in enumerate(completion.blocks):
         last = index == len(completion.blocks) - 1
@@ -224,13 +293,59 @@ def render(completion: Completion, skeleton: Response) -> Response:
                 output.append(build_item("message", iid, item_status, block.text, logprobs, None))
             case ReasoningBlock():
                 iid = item_id(skeleton.id, "reasoning", index)
-                output.append(build_item("reasoning", iid, item_status, block.text, [], None))
+                output.append(
+                    build_item(
+                        "reasoning",
+                        iid,
+                        item_status,
+                        block.text,
+                        [],
+                        None,
+                        summary=wants_summary(skeleton),
+                        signer=signer,
+                    )
+                )
             case ToolCallBlock():
-                iid = item_id(skeleton.id, "function_call", index)
+                route = tool_routes.get(block.name)
+                iid = call_item_id(skeleton.id, route, index)
                 call = ToolCallStart(index=block.index, call_id=block.call_id, name=block.name)
                 output.append(
-                    build_item("function_call", iid, item_status, block.arguments, [], call)
+                    build_item("function_call", iid, item_status, block.arguments, [], call, route)
                 )
             case _:
                 assert_never(block)
-    return final_response(skeleton, output, completion.usage, completion.finish, completion.error)
+    return final_response(
+        skeleton, output, completion.usage, completion.finish, completion.error, completed_at
+    )
+
+
+def wants_summary(skeleton: Response) -> bool:
+    """Whether the request asked for reasoning summaries (``reasoning.summary``).
+
+    sluice has no second model to summarize with, so the summary is the reasoning itself,
+    verbatim: one ``summary_text`` part per reasoning item, streamed as the reasoning streams.
+    Clients that only read summaries (Codex's display, the Vercel AI SDK) then see it.
+
+    Args:
+        skeleton: the request echo.
+
+    Returns:
+        True for ``auto``, ``concise`` and ``detailed``.
+    """
+    return skeleton.reasoning.summary in ("auto", "concise", "detailed")
+
+
+def entry_seconds(entry_id: str | bytes) -> int:
+    """The unix second a Redis stream entry was logged at (its id is ``<ms>-<seq>``).
+
+    The event log is the durable clock: every reader of a stored response, live or replayed,
+    computes the same ``completed_at`` from the terminal event's entry id.
+
+    Args:
+        entry_id: the entry id.
+
+    Returns:
+        Whole seconds.
+    """
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.partition("-")[0]) // 1000

@@ -16,12 +16,14 @@ import msgspec
 
 from services.api.wire.common import EFFORTS, JsonObject, reasoning_effort
 from services.api.wire.openai_responses.items import items_to_messages, validation_error
-from services.api.wire.openai_responses.types import (
-    FunctionTool,
-    ReasoningConfig,
-    Response,
-    ToolChoiceFunction,
+from services.api.wire.openai_responses.tools import (
+    HOSTED_TOOL_TYPES,
+    ToolSet,
+    exposed_name,
+    parse_tools,
 )
+from services.api.wire.openai_responses.types import ReasoningConfig, Response, TextConfig
+from services.api.wire.reasoning_tokens import ReasoningSigner
 from shared.errors import InvalidRequest
 from shared.jobs import (
     GenerateRequest,
@@ -39,6 +41,7 @@ __all__ = [
     "input_messages",
     "parse_request",
     "skeleton",
+    "tool_set",
 ]
 
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -56,6 +59,7 @@ class _TextFormat(msgspec.Struct, kw_only=True):
 
 class _Text(msgspec.Struct, kw_only=True):
     format: _TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -82,6 +86,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     conversation: str | JsonObject | None = None
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
+    # Echoed in the response (sluice has one service tier and no prompt-cache options).
+    max_tool_calls: int | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
 
 
 def parse_request(body: bytes) -> ResponsesRequest:
@@ -150,48 +160,75 @@ def _check_ranges(req: ResponsesRequest) -> None:
     )
 
 
-def _parse_tools(req: ResponsesRequest) -> list[FunctionTool]:
-    tools: list[FunctionTool] = []
-    for i, raw in enumerate(req.tools or []):
-        kind = raw.get("type")
-        if kind != "function":
-            raise InvalidRequest(
-                f"Unsupported tool type {kind!r}: only function tools are supported",
-                param=f"tools[{i}].type",
-            )
-        try:
-            tools.append(msgspec.convert(raw, FunctionTool))
-        except msgspec.ValidationError as exc:
-            raise validation_error(exc, f"tools[{i}]") from exc
-    return tools
+def tool_set(req: ResponsesRequest) -> ToolSet:
+    """The request's tools, plus those a client ``tool_search`` loaded earlier in ``input``.
+
+    Args:
+        req: the parsed request.
+
+    Returns:
+        What the model sees, how its calls map back, and the hosted tools left out.
+
+    Raises:
+        InvalidRequest: a malformed or unknown tool.
+    """
+    declared = list(req.tools or [])
+    # Tools a client-executed search returned are callable from then on, as on OpenAI.
+    if isinstance(req.input, list):
+        for item in req.input:
+            loaded = item.get("tools") if item.get("type") == "tool_search_output" else None
+            if isinstance(loaded, list):
+                declared.extend(t for t in loaded if isinstance(t, dict))
+    return parse_tools(declared)
 
 
-def _parse_tool_choice(
-    req: ResponsesRequest, tools: list[FunctionTool]
-) -> tuple[Literal["none", "auto", "required"] | ToolChoiceFunction, list[FunctionTool]]:
-    """Return the echoed choice and the tools the model may see (``allowed_tools`` narrows)."""
+def _allowed_name(tool: JsonObject) -> str:
+    """The model-visible name of one ``allowed_tools`` entry."""
+    if tool.get("type") == "tool_search":
+        return "tool_search"
+    namespace = tool.get("namespace")
+    return exposed_name(str(tool.get("name")), namespace if isinstance(namespace, str) else None)
+
+
+def _parse_tool_choice(req: ResponsesRequest, tools: ToolSet) -> tuple[ToolChoice, list[ToolDef]]:
+    """Return the job's choice and the tools the model may see (``allowed_tools`` narrows)."""
     raw = req.tool_choice
-    names = {t.name for t in tools}
     if raw is None:
-        return "auto", tools
+        return ToolChoice(mode="auto"), tools.defs
     if raw in ("none", "auto", "required"):
-        return cast(Literal["none", "auto", "required"], raw), tools
-    if isinstance(raw, dict) and raw.get("type") == "function":
+        return ToolChoice(mode=cast(Literal["none", "auto", "required"], raw)), tools.defs
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"tool_choice {raw!r} is not supported", param="tool_choice")
+    kind = raw.get("type")
+    if kind in ("function", "custom"):
         name = raw.get("name")
-        if not isinstance(name, str) or name not in names:
+        namespace = raw.get("namespace")
+        exposed = exposed_name(str(name), namespace if isinstance(namespace, str) else None)
+        route = tools.routes.get(exposed)
+        if not isinstance(name, str) or route is None or route.kind != kind:
             raise InvalidRequest(
-                f"tool_choice names function {name!r}, which is not in 'tools'",
+                f"tool_choice names {kind} tool {name!r}, which is not in 'tools'",
                 param="tool_choice.name",
             )
-        return ToolChoiceFunction(name=name), tools
-    if isinstance(raw, dict) and raw.get("type") == "allowed_tools":
+        return ToolChoice(mode="named", name=exposed), tools.defs
+    if kind == "allowed_tools":
         mode, allowed = raw.get("mode", "auto"), raw.get("tools", [])
         if mode not in ("auto", "required") or not isinstance(allowed, list):
             raise InvalidRequest("Invalid allowed_tools tool_choice", param="tool_choice")
-        keep = {t.get("name") for t in allowed if isinstance(t, dict)}
-        return mode, [t for t in tools if t.name in keep]
+        keep = {_allowed_name(t) for t in allowed if isinstance(t, dict)}
+        return ToolChoice(mode=mode), [t for t in tools.defs if t.name in keep]
+    if kind == "tool_search" and "tool_search" in tools.routes:
+        return ToolChoice(mode="named", name="tool_search"), tools.defs
+    if isinstance(kind, str) and (kind in HOSTED_TOOL_TYPES or kind == "tool_search"):
+        # A forced hosted tool cannot be honoured by skipping it: the caller must know.
+        raise InvalidRequest(
+            f"tool_choice forces the hosted tool {kind!r}, which this server cannot run",
+            param="tool_choice.type",
+        )
     raise InvalidRequest(
-        "tool_choice must be 'none', 'auto', 'required', or a function", param="tool_choice"
+        "tool_choice must be 'none', 'auto', 'required', a function, a custom tool or "
+        "allowed_tools",
+        param="tool_choice",
     )
 
 
@@ -209,8 +246,7 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
     Raises:
         InvalidRequest: an unsupported tool or an invalid ``tool_choice``.
     """
-    tools = _parse_tools(req)
-    choice, _ = _parse_tool_choice(req, tools)
+    _parse_tool_choice(req, tool_set(req))  # every check passes before anything is stored
     effort = req.reasoning.effort if req.reasoning else None
     summary = (req.reasoning.summary or req.reasoning.generate_summary) if req.reasoning else None
     return Response(
@@ -225,17 +261,27 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
         previous_response_id=req.previous_response_id,
         reasoning=ReasoningConfig(effort=effort, summary=summary),
         store=req.store is not False,
-        temperature=req.temperature,
-        tool_choice=choice,
-        tools=tools,
-        top_p=req.top_p,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        text=TextConfig(verbosity=(req.text.verbosity if req.text else None) or "medium"),
+        tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
+        tools=list(req.tools or []),
+        top_logprobs=req.top_logprobs or 0,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        max_tool_calls=req.max_tool_calls,
+        prompt_cache_key=req.prompt_cache_key,
+        prompt_cache_retention=req.prompt_cache_retention,
+        safety_identifier=req.safety_identifier,
         truncation=req.truncation or "disabled",
         user=req.user,
         metadata=req.metadata or {},
     )
 
 
-def input_messages(req: ResponsesRequest, history: Sequence[Message] = ()) -> list[Message]:
+def input_messages(
+    req: ResponsesRequest,
+    history: Sequence[Message] = (),
+    signer: ReasoningSigner | None = None,
+) -> list[Message]:
     """The conversation of this request without ``instructions``: history, then ``input``.
 
     Args:
@@ -250,7 +296,7 @@ def input_messages(req: ResponsesRequest, history: Sequence[Message] = ()) -> li
     """
     if isinstance(req.input, str):
         return [*history, Message(role="user", content=[TextPart(text=req.input)])]
-    return items_to_messages(req.input, history)
+    return items_to_messages(req.input, history, signer=signer)
 
 
 def build_job(
@@ -276,12 +322,7 @@ def build_job(
     Raises:
         InvalidRequest: an unsupported tool or an invalid ``tool_choice``.
     """
-    tools = _parse_tools(req)
-    choice, visible_tools = _parse_tool_choice(req, tools)
-    if isinstance(choice, ToolChoiceFunction):
-        tool_choice = ToolChoice(mode="named", name=choice.name)
-    else:
-        tool_choice = ToolChoice(mode=choice)
+    tool_choice, visible_tools = _parse_tool_choice(req, tool_set(req))
     system = [Message(role="system", content=[TextPart(text=req.instructions or "")])]
     effort = req.reasoning.effort if req.reasoning else None
     logprobs = _LOGPROBS_INCLUDE in (req.include or [])
@@ -290,10 +331,7 @@ def build_job(
         model=req.model,
         origin="openai_responses",
         messages=[*(system if req.instructions else []), *conversation],
-        tools=[
-            ToolDef(name=t.name, description=t.description, parameters=t.parameters)
-            for t in visible_tools
-        ],
+        tools=visible_tools,
         tool_choice=tool_choice,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         sampling=SamplingParams(

@@ -12,6 +12,28 @@ from typing import Literal
 
 import msgspec
 
+from services.api.wire.openai_responses.call_types import (
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+    CustomToolCallItem,
+    ToolSearchCallItem,
+)
+from services.api.wire.openai_responses.delta_events import (
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    Logprob,
+    OutputTextDelta,
+    OutputTextDone,
+    ReasoningSummaryPartAdded,
+    ReasoningSummaryPartDone,
+    ReasoningSummaryTextDelta,
+    ReasoningSummaryTextDone,
+    ReasoningTextDelta,
+    ReasoningTextDone,
+    TopLogprob,
+)
+from services.api.wire.reasoning_tokens import ReasoningSigner
+
 __all__ = [
     "ContentPartAdded",
     "ContentPartDone",
@@ -52,25 +74,9 @@ __all__ = [
     "TopLogprob",
 ]
 
+_Json = dict[str, object]  # (the Response's ``object`` field shadows the builtin in its body)
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 ResponseStatus = Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
-
-
-class TopLogprob(msgspec.Struct, frozen=True):
-    """One alternative token of an output_text logprob."""
-
-    token: str
-    bytes: list[int]
-    logprob: float
-
-
-class Logprob(msgspec.Struct, frozen=True):
-    """Log-probability of one output token."""
-
-    token: str
-    bytes: list[int]
-    logprob: float
-    top_logprobs: list[TopLogprob] = []
 
 
 class OutputText(msgspec.Struct, tag_field="type", tag="output_text", kw_only=True):
@@ -88,7 +94,7 @@ class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text", kw_o
 
 
 class SummaryText(msgspec.Struct, tag_field="type", tag="summary_text", kw_only=True):
-    """A reasoning summary part (only ever replayed by clients; sluice emits raw text)."""
+    """A reasoning summary part: the raw reasoning itself, when the request asks for a summary."""
 
     text: str = ""
 
@@ -112,19 +118,30 @@ class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning", kw_only=T
     status: ItemStatus
     summary: list[SummaryText] = []
     content: list[ReasoningText] = []
+    # Only with ``include: ["reasoning.encrypted_content"]``: the reasoning, signed, so it comes
+    # back intact in a later request's input (``wire.reasoning_tokens``).
+    encrypted_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
-class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call", kw_only=True):
-    """A function call output item: ``id`` is the item (``fc_``), ``call_id`` the call."""
+class FunctionCallItem(
+    msgspec.Struct, tag_field="type", tag="function_call", kw_only=True, omit_defaults=True
+):
+    """A function call output item: ``id`` is the item (``fc_``), ``call_id`` the call.
+
+    Only ``namespace`` has a default, so only it is left out when unset, as OpenAI does.
+    """
 
     id: str
     status: ItemStatus
-    arguments: str = ""
+    arguments: str
     call_id: str
     name: str
+    namespace: str | None = None  # set for a tool declared inside a ``namespace`` tool
 
 
-OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+OutputItem = (
+    MessageItem | ReasoningItem | FunctionCallItem | CustomToolCallItem | ToolSearchCallItem
+)
 
 
 class FunctionTool(msgspec.Struct, tag_field="type", tag="function", kw_only=True):
@@ -159,6 +176,7 @@ class TextConfig(msgspec.Struct, kw_only=True):
     """The echoed ``text`` request parameter."""
 
     format: TextFormat = msgspec.field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] = "medium"
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
@@ -198,28 +216,43 @@ class IncompleteDetails(msgspec.Struct, kw_only=True):
 
 
 class Response(msgspec.Struct, kw_only=True):
-    """The response object: the non-streaming body and the ``response`` of lifecycle events."""
+    """The response object: the non-streaming body and the ``response`` of lifecycle events.
+
+    Every field the official SDK's ``Response`` defines that a text model can fill is sent, in
+    the order OpenAI sends them, with the request's value or the documented default.
+    """
 
     id: str
     object: Literal["response"] = "response"
     created_at: int
     status: ResponseStatus
     background: bool = False
+    completed_at: int | None = None  # when the terminal event was logged
+    conversation: _Json | None = None
     error: ResponseError | None = None
+    frequency_penalty: float = 0.0
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     model: str
     output: list[OutputItem] = []
     parallel_tool_calls: bool = True
+    presence_penalty: float = 0.0
     previous_response_id: str | None = None
+    prompt: _Json | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
+    safety_identifier: str | None = None
+    service_tier: str = "default"
     store: bool = True
-    temperature: float | None = None
+    temperature: float = 1.0
     text: TextConfig = msgspec.field(default_factory=TextConfig)
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
-    tools: list[FunctionTool] = []
-    top_p: float | None = None
+    tool_choice: str | _Json = "auto"  # echoed as sent
+    tools: list[_Json] = []  # echoed as sent, hosted tools included
+    top_logprobs: int = 0
+    top_p: float = 1.0
     truncation: Literal["disabled", "auto"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
@@ -277,71 +310,6 @@ class ContentPartDone(msgspec.Struct, tag_field="type", tag="response.content_pa
     sequence_number: int
 
 
-class OutputTextDelta(msgspec.Struct, tag_field="type", tag="response.output_text.delta"):
-    """A fragment of answer text."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: list[Logprob]
-    sequence_number: int
-
-
-class OutputTextDone(msgspec.Struct, tag_field="type", tag="response.output_text.done"):
-    """The full text of an answer part."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: list[Logprob]
-    sequence_number: int
-
-
-class ReasoningTextDelta(msgspec.Struct, tag_field="type", tag="response.reasoning_text.delta"):
-    """A fragment of raw reasoning text."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    sequence_number: int
-
-
-class ReasoningTextDone(msgspec.Struct, tag_field="type", tag="response.reasoning_text.done"):
-    """The full raw reasoning text of a part."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    sequence_number: int
-
-
-class FunctionCallArgumentsDelta(
-    msgspec.Struct, tag_field="type", tag="response.function_call_arguments.delta"
-):
-    """A fragment of a call's JSON arguments."""
-
-    item_id: str
-    output_index: int
-    delta: str
-    sequence_number: int
-
-
-class FunctionCallArgumentsDone(
-    msgspec.Struct, tag_field="type", tag="response.function_call_arguments.done"
-):
-    """A call's complete JSON arguments."""
-
-    item_id: str
-    output_index: int
-    name: str
-    arguments: str
-    sequence_number: int
-
-
 class ErrorEvent(msgspec.Struct, tag_field="type", tag="error"):
     """An in-band error, followed by ``response.failed``."""
 
@@ -363,6 +331,12 @@ StreamEvent = (
     | ReasoningTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
+    | ReasoningSummaryPartAdded
+    | ReasoningSummaryTextDelta
+    | ReasoningSummaryTextDone
+    | ReasoningSummaryPartDone
+    | CustomToolCallInputDelta
+    | CustomToolCallInputDone
     | ErrorEvent
 )
 
@@ -373,7 +347,9 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         skeleton: the in-progress ``Response`` echoing the request (id, created_at, params).
         starting_after: replay only the events after this ``sequence_number`` (-1: all).
+        signer: signs each finished reasoning item into its ``encrypted_content``.
     """
 
     skeleton: Response
     starting_after: int = -1
+    signer: ReasoningSigner | None = None  # set when ``include`` asks for encrypted_content
