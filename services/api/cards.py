@@ -120,15 +120,21 @@ class CardCache:
             raws = await pipe.execute()
         return [decode_card(raw) for raw in raws if raw is not None]
 
-    async def live_models(self, *, fresh: bool = False) -> dict[str, int]:
+    async def live_models(
+        self, *, fresh: bool = False, not_before_ms: float = 0.0
+    ) -> dict[str, int]:
         """Models served by at least one live worker, with the number of such workers.
 
         Args:
             fresh: bypass the cache.
+            not_before_ms: also ignore heartbeats older than this (epoch ms); implies fresh
+                and leaves the cache alone.
 
         Returns:
             ``{model: live worker count}``.
         """
+        if not_before_ms:
+            return await self._read_live(not_before_ms)
         now = time.monotonic()
         if not fresh and now - self._live_at < self._refresh_s:
             return self._live
@@ -145,8 +151,8 @@ class CardCache:
             return True
         return model in await self.live_models(fresh=True)
 
-    async def _read_live(self) -> dict[str, int]:
-        cutoff = int((time.time() - self._lease_ttl_s) * 1000)
+    async def _read_live(self, not_before_ms: float = 0.0) -> dict[str, int]:
+        cutoff = int(max((time.time() - self._lease_ttl_s) * 1000, not_before_ms))
         wids = await self._redis.zrangebyscore(keys.workers(), cutoff, "+inf")
         if not wids:
             return {}

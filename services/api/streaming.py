@@ -12,7 +12,9 @@ write (``get_batch``), so an overloaded process spends fewer syscalls exactly wh
 Until a request's first event arrives, the wait is also bounded by ``start_timeout_s`` from its
 creation; past it, ``start_timeout.claim_unstarted`` ends the request with a retryable
 ``Error(overloaded)`` unless a worker holds it, and that Error reaches every watcher through the
-stream like any other event.
+stream like any other event. A silent tail is also checked by ``stream_watch``: a log that
+vanished (Redis restarted without persistence) or a stream nobody has leased for longer than the
+lease TTL plus a margin ends with a retryable ``worker_lost`` error (``StreamLost``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
+from services.api.stream_watch import StreamLost, StreamWatch
 from services.api.submit import cancel
 from services.api.wire import sse
 from shared import keys
@@ -68,10 +71,12 @@ async def _batches(
     # Until the first entry arrives the wait is also bounded by the start deadline; a client
     # resuming after an entry id saw the request start already.
     deadline = None if after != "0-0" else await start_deadline(state.redis, rid, state.settings)
+    watch = StreamWatch(state, rid, started=after != "0-0")
     async with state.hub.subscription(keys.events(rid), after) as sub:
-        quiet_since = time.monotonic()
+        quiet_since = checked = time.monotonic()
         while True:
-            wait_s = keepalive_s - (time.monotonic() - quiet_since)
+            now = time.monotonic()
+            wait_s = min(keepalive_s - (now - quiet_since), watch.check_s - (now - checked))
             if deadline is not None:
                 if deadline <= time.monotonic():
                     # Past the deadline: end it unless a worker got there first (then look
@@ -82,8 +87,13 @@ async def _batches(
             entries = await sub.get_batch(max(wait_s, 0.0))
             if entries:
                 deadline = None
-            elif time.monotonic() - quiet_since < keepalive_s:
-                continue  # woken by the start deadline, not by a silence: no keepalive yet
+                watch.alive()
+            else:
+                if time.monotonic() - checked >= watch.check_s:
+                    checked = time.monotonic()
+                    await watch.check()  # raises StreamLost when nothing will ever end it
+                if time.monotonic() - quiet_since < keepalive_s:
+                    continue  # woken by a deadline or a check, not by a silence: no keepalive
             quiet_since = time.monotonic()
             batch: list[tuple[str, AnyEvent]] = []
             for entry_id, fields in entries:
@@ -171,6 +181,10 @@ async def _frames(
                         out.extend(sse.encode(f) for f in projector.close())
                 if out:
                     yield b"".join(out)
+    except StreamLost as exc:  # nothing will end this stream: a retryable error ends it here
+        finished = True
+        lost = Error(kind="worker_lost", message=exc.message, retryable=True)
+        yield b"".join(sse.encode(f) for f in [*projector.feed(lost), *projector.close()])
     except Exception as exc:  # boundary: after the headers, errors travel in-band only
         logger.exception("stream of %s failed", rid)
         finished = True

@@ -67,6 +67,7 @@ class WorkerContext:
     killed: bool = False  # test harness hard kill: behave like SIGKILL, publish nothing
     started: float = field(default_factory=time.time)
     served: int = 0  # requests this worker has started generating
+    card: bytes = b""  # the encoded model card, re-published by the heartbeat when missing
 
 
 async def generate(ctx: dict[str, Any], payload: bytes) -> None:
