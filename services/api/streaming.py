@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
+from services.api.stream_ids import parse_id
 from services.api.stream_watch import StreamLost, StreamWatch
 from services.api.submit import cancel
 from services.api.wire import sse
@@ -62,6 +63,14 @@ class Projector(Protocol):
         ...
 
 
+async def _ended_by(state: AppState, rid: str, after: str) -> bool:
+    """Whether the stream's terminal event is at or before entry ``after``."""
+    last = await state.redis.xrevrange(keys.events(rid), count=1)
+    if not last or parse_id(last[0][0].decode()) > parse_id(after):
+        return False
+    return is_terminal(decode_entry(last[0][1]))
+
+
 async def _batches(
     state: AppState, rid: str, after: str
 ) -> AsyncGenerator[list[tuple[str, AnyEvent]], None]:
@@ -70,6 +79,8 @@ async def _batches(
     keepalive_s = state.settings.keepalive_s
     # Until the first entry arrives the wait is also bounded by the start deadline; a client
     # resuming after an entry id saw the request start already.
+    if after != "0-0" and await _ended_by(state, rid, after):
+        return  # resumed after the terminal entry: nothing will ever follow it
     deadline = None if after != "0-0" else await start_deadline(state.redis, rid, state.settings)
     watch = StreamWatch(state, rid, started=after != "0-0")
     async with state.hub.subscription(keys.events(rid), after) as sub:
@@ -181,6 +192,10 @@ async def _frames(
                         out.extend(sse.encode(f) for f in projector.close())
                 if out:
                     yield b"".join(out)
+        if not finished:  # resumed after the terminal entry: only the format's end is left
+            finished = True
+            if end := b"".join(sse.encode(f) for f in projector.close()):
+                yield end
     except StreamLost as exc:  # nothing will end this stream: a retryable error ends it here
         finished = True
         lost = Error(kind="worker_lost", message=exc.message, retryable=True)

@@ -187,12 +187,27 @@ async def test_resume_after_last_event_id(
     check_stream(events[:cut] + got)
 
 
-async def test_resume_bad_id_is_400(api: str, tiny_model: ModelCard) -> None:
+@pytest.mark.parametrize("bad", ["x", "18446744073709551616-0", "1-18446744073709551616", "+1"])
+async def test_resume_bad_id_is_400(api: str, tiny_model: ModelCard, bad: str) -> None:
     async with httpx.AsyncClient(base_url=api, timeout=10) as client:
         rid = await create(client)
-        response = await client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": "x"})
-    assert response.status_code == 400
-    assert response.json()["error"]["type"] == "invalid_request_error"
+        response = await client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": bad})
+        by_query = await client.get(f"/v1/requests/{rid}/events", params={"after": bad})
+    for reply in (response, by_query):
+        assert reply.status_code == 400
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_resume_after_the_terminal_entry_closes_at_once(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
+    """A client that got the last frame and reconnects is told the stream is over."""
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        rid = await create(client)
+        ids = [await xadd(redis, rid, e) for e in script(rid, 2)]
+        response = await client.get(f"/v1/requests/{rid}/events", params={"after": ids[-1]})
+    assert response.status_code == 200
+    assert [f async for f in sse_events(response) if "comment" not in f] == []
 
 
 async def test_cancel_endpoint(api: str, redis: aioredis.Redis, tiny_model: ModelCard) -> None:

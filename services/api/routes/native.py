@@ -13,9 +13,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from services.api.auth import authenticate
-from services.api.hub import parse_id
 from services.api.ownership import REQUESTS, load_owned
 from services.api.state import get_state
+from services.api.stream_ids import parse_id
 from services.api.streaming import sse_response
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire import sse
