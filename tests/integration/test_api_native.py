@@ -198,6 +198,29 @@ async def test_resume_bad_id_is_400(api: str, tiny_model: ModelCard, bad: str) -
         assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("sampling", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 100_000}, "sampling.top_logprobs"),
+        ({"top_logprobs": 5}, "sampling.top_logprobs"),
+        ({"top_p": -1}, "sampling.top_p"),
+        ({"min_p": 5}, "sampling.min_p"),
+        ({"temperature": 1e9}, "sampling.temperature"),
+        ({"top_k": -3}, "sampling.top_k"),
+        ({"repetition_penalty": 0}, "sampling.repetition_penalty"),
+        ({"presence_penalty": 3}, "sampling.presence_penalty"),
+    ],
+)
+async def test_sampling_out_of_range_is_400(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard, sampling: dict[str, object], param: str
+) -> None:
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        reply = await client.post("/v1/requests", json={**JOB, "sampling": sampling})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert await redis.zcard(keys.queue("tiny-test")) == 0
+
+
 async def test_resume_after_the_terminal_entry_closes_at_once(
     api: str, redis: aioredis.Redis, tiny_model: ModelCard
 ) -> None:

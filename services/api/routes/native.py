@@ -19,9 +19,10 @@ from services.api.stream_ids import parse_id
 from services.api.streaming import sse_response
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire import sse
+from services.api.wire.common import check_range
 from shared.errors import InvalidRequest
 from shared.events import AnyEvent
-from shared.jobs import GenerateRequest
+from shared.jobs import GenerateRequest, SamplingParams
 
 __all__ = ["NativeProjector", "router"]
 
@@ -61,11 +62,31 @@ def _parse_job(body: bytes, rid: str) -> GenerateRequest:
     raw["request_id"] = rid
     raw["origin"] = "native"
     try:
-        return msgspec.convert(raw, GenerateRequest)
+        job = msgspec.convert(raw, GenerateRequest)
     except msgspec.ValidationError as exc:
         message = str(exc)
         _, _, path = message.partition(" - at `$.")
         raise InvalidRequest(message, param=path.rstrip("`") or None) from exc
+    _check_sampling(job.sampling)
+    if job.min_tokens < 0:
+        raise InvalidRequest("min_tokens must not be negative", param="min_tokens")
+    return job
+
+
+def _check_sampling(s: SamplingParams) -> None:
+    """The wire formats' ranges: the worker decodes many requests in one batch, and a value it
+    cannot sample with must be refused here rather than fail inside the decode step."""
+    check_range(s.temperature, 0.0, 2.0, "sampling.temperature")
+    check_range(s.top_p, 0.0, 1.0, "sampling.top_p")
+    check_range(s.min_p, 0.0, 1.0, "sampling.min_p")
+    check_range(s.presence_penalty, -2.0, 2.0, "sampling.presence_penalty")
+    check_range(s.frequency_penalty, -2.0, 2.0, "sampling.frequency_penalty")
+    check_range(s.top_logprobs, 0, 20, "sampling.top_logprobs")
+    check_range(s.repetition_penalty, 1e-6, 100.0, "sampling.repetition_penalty")
+    if s.top_k is not None and s.top_k < 0:
+        raise InvalidRequest("sampling.top_k must not be negative", param="sampling.top_k")
+    if s.top_logprobs and not s.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs: true", param="sampling.top_logprobs")
 
 
 @router.post("/v1/requests")

@@ -250,3 +250,25 @@ async def test_forced_eos_min_tokens_and_ignore_eos() -> None:
     assert 2 not in generated_token_ids(at_least)[:6]
     assert isinstance(ignoring[-1], Finish) and ignoring[-1].reason == "max_tokens"
     assert 2 not in generated_token_ids(ignoring)
+
+
+async def test_a_failing_sequence_fails_alone(backend: TorchBackend) -> None:
+    """A per-sequence failure (here top_logprobs beyond the vocabulary, which the API refuses
+    but the worker must survive) ends that request only; its batch-mates finish unchanged."""
+    good = job("The capital of France is", "good", max_tokens=10, ignore_eos=True)
+    alone = generated_token_ids(await run(backend, good))
+    backend.scheduler.cache.tokens = [[] for _ in range(backend.max_batch)]
+    poison = job(
+        "Hello world",
+        "poison",
+        max_tokens=10,
+        sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=100_000),
+    )
+    outcomes = await asyncio.gather(
+        run(backend, good), run(backend, poison), return_exceptions=True
+    )
+    assert isinstance(outcomes[1], Exception), outcomes[1]
+    assert not isinstance(outcomes[0], BaseException), outcomes[0]
+    assert generated_token_ids(outcomes[0]) == alone
+    assert backend.scheduler.active == 0
+    assert generated_token_ids(await run(backend, good)) == alone  # and the worker goes on
