@@ -10,8 +10,9 @@ import pytest
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
+from services import arq_keys
 from services.worker.main import JOB_TIMEOUT_S, arq_deserialize, arq_serialize
-from services.worker.recovery import sweep_once
+from services.worker.recovery import ORPHAN_SCAN, sweep_once, sweep_orphans
 from services.worker.scripted import ScriptedBackend, parse_spec
 from shared import keys
 from shared.codec import decode_entry, encode_job
@@ -269,6 +270,12 @@ async def test_sweeper_leaves_queued_and_live_requests_alone(
         assert await submit(redis_url, make_job("req-queued", worker.name))  # no free slot
         acted = await sweep_once(worker.running.wc, worker.running.arq, JOB_TIMEOUT_S)
         assert acted == []
+        assert await sweep_orphans(worker.running.wc, ORPHAN_SCAN) == []  # in flight: kept
+        # A run that died after its request ended (no lease, not in flight) is dropped.
+        await redis.zadd(keys.queue(worker.name), {"req-ended:2": 1})
+        await redis.set(arq_keys.in_progress("req-ended:2"), 1, ex=3600)
+        assert await sweep_orphans(worker.running.wc, ORPHAN_SCAN) == ["req-ended:2"]
+        assert not await redis.exists(arq_keys.in_progress("req-ended:2"))
         assert not await redis.exists(keys.lease("req-queued"))
         assert await redis.zcard(keys.queue(worker.name)) == 2  # arq keeps running jobs there
         for rid in ("req-busy", "req-queued"):
