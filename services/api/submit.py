@@ -73,6 +73,8 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
         rendered = await asyncio.to_thread(loaded.renderer.render, job)
     except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
         raise InvalidRequest(f"could not render the conversation: {exc}", param="messages") from exc
+    except RecursionError as exc:  # a tool schema nested deeper than any walk of it can go
+        raise InvalidRequest("a tool schema is nested too deeply", param="tools") from exc
     prompt_ids = list(rendered.token_ids)
     context = loaded.card.context_length
     wanted = job.max_tokens or 1

@@ -19,7 +19,7 @@ from services.api.stream_ids import parse_id
 from services.api.streaming import sse_response
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire import sse
-from services.api.wire.common import check_range
+from services.api.wire.common import UNDECODABLE, check_range, undecodable
 from shared.errors import InvalidRequest
 from shared.events import AnyEvent
 from shared.jobs import GenerateRequest, SamplingParams
@@ -50,6 +50,8 @@ def _parse_job(body: bytes, rid: str) -> GenerateRequest:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    except UNDECODABLE as exc:
+        raise undecodable(exc) from exc
     if not isinstance(raw, dict):
         raise InvalidRequest("the body must be a JSON object")
     for name in raw:
