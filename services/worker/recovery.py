@@ -20,7 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
+import msgspec
 from arq.connections import ArqRedis
 from redis.exceptions import RedisError
 
@@ -30,7 +33,7 @@ from services.worker.publisher import Publisher
 from shared import keys
 from shared.codec import decode_entry
 from shared.events import Error, is_terminal
-from shared.protocol import JOB_FUNCTION, claim_lost
+from shared.protocol import ENQUEUED, JOB_FUNCTION, Scripts, claim_lost
 
 __all__ = ["ORPHAN_SCAN", "sweep_loop", "sweep_once", "sweep_orphans"]
 
@@ -71,20 +74,55 @@ async def sweep_once(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> 
             pipe.exists(keys.lease(rid))
             pipe.pttl(arq_keys.in_progress(rid))
             pipe.zscore(keys.queue(wc.name), rid)
+            pipe.exists(keys.events(rid))
         flat = await pipe.execute()
     in_progress_ms = (job_timeout_s + arq_keys.IN_PROGRESS_EXTRA_S) * 1000
     acted: list[str] = []
     for i, rid in enumerate(rids):
-        leased, pttl, queued = flat[3 * i : 3 * i + 3]
+        leased, pttl, queued, started = flat[4 * i : 4 * i + 4]
         if leased:
             continue
         if queued is not None and pttl == -2:
             continue  # still waiting in the queue: nobody lost it
         if pttl > 0 and in_progress_ms - pttl < grace_ms:
             continue  # picked up a moment ago; its lease is on the way
+        if pttl == -2 and not started:
+            # Not queued, not running, nothing published: arq dropped it unstarted because it
+            # waited past its expiry (a SIGKILLed worker leaves its in-progress marker).
+            if await _requeue_expired(wc, arq, rid):
+                acted.append(rid)
+            continue
         if await _recover(wc, arq, rid):
             acted.append(rid)
     return acted
+
+
+async def _requeue_expired(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
+    """Put a request arq dropped for waiting too long back at its place in the queue, without
+    counting an attempt: only the start timeout may end a request that no worker started."""
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        pipe.hget(keys.request(rid), "attempts")
+        pipe.hget(keys.request(rid), "job")
+        pipe.zscore(keys.inflight(wc.name), rid)
+        attempts, payload, since = await pipe.execute()
+    if payload is None or since is None:
+        return False  # ended meanwhile, or its record is gone: the in-flight sweep decides
+    n = int(attempts or 0)
+    jid = rid if n == 0 else f"{rid}:{n + 1}"
+    serializer: Callable[[Any], bytes] = arq.job_serializer or msgspec.msgpack.encode
+    await wc.redis.delete(arq_keys.result(jid))  # arq's "expired" record would block the id
+    result = await Scripts(wc.redis).enqueue_bounded(
+        wc.name,
+        jid,
+        arq_keys.envelope(JOB_FUNCTION, payload, int(since), serializer),
+        job_key=arq_keys.job(jid),
+        result_key=arq_keys.result(jid),
+        score_ms=max(int(since), 1),  # its place (arq reads a score of 0 as "no job")
+        expires_ms=wc.settings.job_expires_s * 1000,
+        bound=2**53,  # a request already admitted is never refused for a full queue
+    )
+    log.info("%s: waited past its job expiry; queued again at its place (%s)", rid, result)
+    return result == ENQUEUED
 
 
 def _job_ids(rid: str, attempts: int) -> list[str]:

@@ -41,7 +41,9 @@ def make_job(rid: str, model: str, script: str | None = None, text: str = "hi") 
     return tokenize(request, SCRIPTED_CARD)
 
 
-async def submit(redis_url: str, job: Job, job_id: str | None = None) -> bool:
+async def submit(
+    redis_url: str, job: Job, job_id: str | None = None, *, expires_s: float = 60
+) -> bool:
     """Do what the API does: request hash, in-flight entry, arq job (id = request id)."""
     arq = ArqRedis.from_url(redis_url)
     arq.job_serializer, arq.job_deserializer = arq_serialize, arq_deserialize
@@ -51,7 +53,7 @@ async def submit(redis_url: str, job: Job, job_id: str | None = None) -> bool:
         await arq.zadd(keys.inflight(job.model), {job.request_id: 0}, nx=True)
         enqueued = await arq.enqueue_job(
             JOB_FUNCTION, payload, _job_id=job_id or job.request_id,
-            _queue_name=keys.queue(job.model), _expires=60,
+            _queue_name=keys.queue(job.model), _expires=expires_s,
         )  # fmt: skip
         return enqueued is not None
     finally:
@@ -285,3 +287,21 @@ async def test_sweeper_leaves_queued_and_live_requests_alone(
     check_stream(busy)
     check_stream(queued)
     assert isinstance(queued[0], Error) and queued[0].kind == "cancelled"
+
+
+async def test_a_queue_wait_past_the_job_expiry_is_not_a_lost_worker(
+    redis: aioredis.Redis, redis_url: str
+) -> None:
+    """arq drops a job that waited past its expiry; that costs no failover attempt: the request
+    is queued again at its place and starts as a first attempt."""
+    spec = "scripted:long?rate=600&max_batch=1"  # one slot, busy for a few seconds
+    async with running_worker(redis_url, spec, FAST_FAILOVER) as worker:
+        assert await submit(redis_url, make_job("req-first", worker.name))
+        await read_stream(redis, "req-first", until=2)
+        assert await submit(redis_url, make_job("req-waits", worker.name), expires_s=0.5)
+        await read_stream(redis, "req-first")
+        waited = await read_stream(redis, "req-waits")
+    check_stream(waited)
+    assert isinstance(waited[0], Start) and waited[0].attempt == 1
+    assert isinstance(waited[-1], Finish)
+    assert await redis.hget(keys.request("req-waits"), "attempts") is None  # type: ignore[misc]
