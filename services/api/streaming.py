@@ -23,12 +23,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
@@ -170,8 +171,8 @@ async def _frames(
     projector: Projector,
     after: str,
     keepalive: sse.Frame | None,
-    cancel_on_disconnect: bool = True,
-) -> AsyncIterator[bytes]:
+    ending: _Ending,
+) -> AsyncGenerator[bytes, None]:
     ping = sse.encode(keepalive) if keepalive is not None else sse.comment()
     finished = False
     try:
@@ -208,8 +209,45 @@ async def _frames(
         with contextlib.suppress(Exception):
             yield b"".join(sse.encode(f) for f in [*projector.feed(error), *projector.close()])
     finally:
-        if not finished and cancel_on_disconnect:  # client gone before the end
-            _spawn(state, _cancel_unless_resumed(state, rid))
+        ending.finished = finished
+
+
+class _Ending:
+    """Whether a stream's body reached its end; written by the body, read by its response."""
+
+    finished = False
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that cancels its request when it ends before the stream did.
+
+    Armed here, around the whole response, rather than in the body's ``finally``: a client
+    that drops right after (or before) the headers can be gone before the body generator ever
+    runs, and a generator that never ran has no ``finally`` to run.
+    """
+
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        ending: _Ending,
+        on_abandon: Callable[[], None] | None,
+        headers: dict[str, str],
+    ) -> None:
+        """Wrap ``body``; ``on_abandon`` runs if it did not finish (None: an observer)."""
+        super().__init__(body, headers=headers, media_type=sse.MEDIA_TYPE)
+        self._body = body
+        self._ending = ending
+        self._on_abandon = on_abandon
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the response; whatever happens, cancel the request if the stream did not end."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._body.aclose()  # unsubscribe now, not when collected
+            if not self._ending.finished and self._on_abandon is not None:
+                self._on_abandon()
 
 
 def sse_response(
@@ -241,10 +279,16 @@ def sse_response(
         The streaming response.
     """
     del request
-    return StreamingResponse(
-        _frames(state, rid, projector, after, keepalive, cancel_on_disconnect),
-        headers={**sse.HEADERS, **(headers or {})},
-        media_type=sse.MEDIA_TYPE,
+    ending = _Ending()
+
+    def abandon() -> None:  # client gone before the end
+        _spawn(state, _cancel_unless_resumed(state, rid))
+
+    return _SSEResponse(
+        _frames(state, rid, projector, after, keepalive, ending),
+        ending,
+        abandon if cancel_on_disconnect else None,
+        {**sse.HEADERS, **(headers or {})},
     )
 
 
