@@ -1,4 +1,4 @@
-"""The card cache builds a model's tokenizer and renderer once, however many requests ask at once."""
+"""The card cache builds a model's tokenizer and renderer once, however many requests ask."""
 
 from __future__ import annotations
 
