@@ -224,7 +224,10 @@ async def start_worker(
         job_timeout=JOB_TIMEOUT_S,
         max_tries=1,
         retry_jobs=False,
-        keep_result=60,  # nobody reads results (events go to the stream); ids stay taken 60 s
+        # No results: nobody reads them (events go to the stream), and arq's result repeats the
+        # job's arguments, i.e. the prompt, beyond a deleted response. A duplicate of a finished
+        # job is harmless: the job function sees the terminal event and does nothing.
+        keep_result=0,
         health_check_key=f"{keys.worker(wid)}:arq",
         health_check_interval=10,
         job_serializer=arq_serialize,

@@ -169,7 +169,8 @@ async def test_a_client_gone_before_the_body_starts_is_cancelled(
         await writer.wait_closed()
 
     await asyncio.gather(*(hang_up(r, i % 2 == 0) for i, r in enumerate([rid, *rids])))
-    missed = [r for r in [rid, *rids] if not await wait_for_key(redis, keys.cancel(r), 120)]
+    # A hang guard, generous for a loaded CI box: each flag comes a second after its hang-up.
+    missed = [r for r in [rid, *rids] if not await wait_for_key(redis, keys.cancel(r), 800)]
     assert missed == [], f"{len(missed)} of {len(rids) + 1} not cancelled"
 
 
