@@ -112,7 +112,9 @@ async def test_duplicate_enqueue_is_a_no_op(redis: aioredis.Redis, redis_url: st
         job = make_job("req-dup", worker.name)
         assert await submit(redis_url, job)
         first = await read_stream(redis, "req-dup")
-        assert not await submit(redis_url, job)  # arq refuses the taken job id
+        # The same id again: refused while arq still holds the finished job, else run as a
+        # duplicate; workers keep no results, so either may happen. Neither changes the stream.
+        await submit(redis_url, job)
         # Even a job that reaches a worker again (other id) finds the terminal and does nothing.
         assert await submit(redis_url, job, job_id="req-dup:again")
         assert await settled(redis, keys.queue(worker.name)) == 0
