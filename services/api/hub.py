@@ -12,9 +12,8 @@ XREAD (unless another subscriber of the same key is keeping up) and its cursor s
 so a slow client costs nothing but its own buffer and never stalls anyone else. When it drains
 below ``low_water`` it resumes from its cursor. Because the stream is a durable log, a lost Redis
 connection is retried from the same (explicit) cursors without losing or repeating entries. A
-key Redis refuses (it fails the whole XREAD) fails and drops only its own subscriptions.
-
-This module owns no key names beyond the wake stream and never decodes events.
+key Redis refuses (it fails the whole XREAD) fails and drops only its own subscriptions. This
+module owns no key names beyond the wake stream and never decodes events.
 """
 
 from __future__ import annotations
@@ -270,13 +269,11 @@ class StreamHub:
 
         Args:
             key: the stream key.
-            after: the last id already seen (``0-0`` for the whole stream).
+            after: the last id already seen (``0-0`` for the whole stream); a ``ValueError`` if
+                it is not a stream id (``stream_ids.parse_id``).
 
         Returns:
             The subscription; pass it to ``unsubscribe`` when done.
-
-        Raises:
-            ValueError: ``after`` is not a stream id (``stream_ids.parse_id``).
         """
         sub = Subscription(self, key, after)
         self._subs.setdefault(key, []).append(sub)
@@ -295,9 +292,11 @@ class StreamHub:
 
     @contextlib.asynccontextmanager
     async def subscription(self, key: str, after: str = "0-0") -> AsyncIterator[Subscription]:
-        """``subscribe`` as an async context manager that always unsubscribes."""
-        sub = await self.subscribe(key, after)
+        """``subscribe`` as a context manager; it unsubscribes even if cancelled in ``wake``."""
+        sub = Subscription(self, key, after)
+        self._subs.setdefault(key, []).append(sub)
         try:
+            await self.wake()
             yield sub
         finally:
             self.unsubscribe(sub)

@@ -166,3 +166,20 @@ async def test_a_blocked_wait_ends_on_stop_or_silence(
     await hub.stop()
     with pytest.raises(HubClosed):
         await waiter
+
+
+async def test_a_subscription_cancelled_while_subscribing_leaves_nothing(hub: StreamHub) -> None:
+    """A client gone while its subscription's wake-up is on the wire (right after the headers)
+    must not leave the key watched: the disconnect cancel is skipped while a key is watched."""
+    await asyncio.sleep(0.2)  # the reader is blocked in XREAD, so subscribing sends a wake-up
+
+    async def client() -> None:
+        async with hub.subscription("gone"):
+            await asyncio.sleep(30)
+
+    task = asyncio.create_task(client())
+    await asyncio.sleep(0)  # it runs until the wake-up's round trip
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not hub.watching("gone")

@@ -149,6 +149,30 @@ async def test_disconnect_sets_cancel_flag(
     assert 0 < await redis.ttl(keys.cancel(rid)) <= 86_400
 
 
+async def test_clients_gone_right_after_the_headers_are_cancelled(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
+    """Clients that hang up as soon as the headers arrive, before any event: every request is
+    cancelled (before the hub's fix, one in 30 leaked its subscription under load, and a
+    watched key skips the cancel)."""
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        rids = [await create(client) for _ in range(30)]
+    host, port = api.removeprefix("http://").split(":")
+
+    async def hang_up(rid: str) -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /v1/requests/{rid}/events HTTP/1.1\r\nhost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        await writer.wait_closed()
+
+    await asyncio.gather(*(hang_up(r) for r in rids))
+    # A hang guard, generous for a loaded CI box: each flag comes a second after its hang-up.
+    missed = [r for r in rids if not await wait_for_key(redis, keys.cancel(r), 800)]
+    assert missed == [], f"{len(missed)} of {len(rids)} not cancelled"
+
+
 async def test_finished_stream_does_not_cancel(
     api: str, redis: aioredis.Redis, tiny_model: ModelCard
 ) -> None:
