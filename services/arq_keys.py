@@ -3,7 +3,8 @@
 arq (https://github.com/python-arq/arq, ``arq/constants.py`` and ``arq/worker.py``) keeps each
 job under keys derived from its id: the serialized job at ``arq:job:<id>`` until a worker
 finishes it, a marker ``arq:in-progress:<id>`` while a worker runs it (set at pickup with a TTL
-of the longest function timeout plus ten seconds), and more beside. These are arq internals,
+of the longest function timeout plus ten seconds), its result at ``arq:result:<id>``, and more
+beside; the job payload is arq's envelope (``arq.jobs.serialize_job``). These are arq internals,
 not its public API; the start timeout (API) and the recovery sweeper (worker) read them, so an
 arq upgrade that moves them breaks here and nowhere else. Both services may import this module;
 ``shared`` may not, because it must not import arq.
@@ -11,14 +12,16 @@ arq upgrade that moves them breaks here and nowhere else. Both services may impo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from arq.constants import in_progress_key_prefix, job_key_prefix
+from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
+from arq.jobs import serialize_job
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-__all__ = ["IN_PROGRESS_EXTRA_S", "in_progress", "job", "waiting"]
+__all__ = ["IN_PROGRESS_EXTRA_S", "envelope", "in_progress", "job", "result", "waiting"]
 
 IN_PROGRESS_EXTRA_S = 10  # arq's in-progress TTL is the job timeout plus this (Worker.__init__)
 
@@ -51,3 +54,15 @@ async def waiting(redis: aioredis.Redis, queue_key: str) -> list[tuple[str, floa
             pipe.exists(in_progress(member.decode()))
         running = await pipe.execute()
     return [(m.decode(), score) for (m, score), r in zip(members, running, strict=True) if not r]
+
+
+def result(job_id: str) -> str:
+    """A finished job's result; while it exists the id cannot be enqueued again."""
+    return result_key_prefix + job_id
+
+
+def envelope(
+    function: str, payload: bytes, enqueue_ms: int, serializer: Callable[[Any], bytes]
+) -> bytes:
+    """The bytes arq stores at ``job(id)``: function name, arguments and enqueue time."""
+    return serialize_job(function, (payload,), {}, None, enqueue_ms, serializer=serializer)

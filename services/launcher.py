@@ -5,7 +5,8 @@ imports the API or the worker (each runs as its own child process through ``serv
 so a crash or a blocked event loop in one child cannot hide from the supervisor.
 
 Redis: if nothing answers at ``SLUICE_REDIS_URL`` the launcher starts a private server
-(``services.redis_local``) and points both children at it. Spawning and stopping children is
+(``services.redis_local``) and points both children at it, and starts it again on the same
+socket if it dies (the children ride out the outage). Spawning and stopping children is
 ``services.children``.
 """
 
@@ -144,7 +145,11 @@ def run_up(settings: Settings) -> int:
             curl_line(settings.host, settings.port, model, auth=bool(settings.all_api_keys())),
             flush=True,
         )
-        return _supervise(children, stop)
+        servers = [private] if private is not None else []
+        try:
+            return _supervise(children, stop, servers)
+        finally:
+            private = servers[0] if servers else None
     finally:
         terminate(children, grace_s=_STOP_GRACE_S)
         if private is not None:
@@ -191,10 +196,26 @@ def _wait_ready(
     return None
 
 
-def _supervise(children: list[subprocess.Popen[bytes]], stop: _StopFlag) -> int:
+def _supervise(
+    children: list[subprocess.Popen[bytes]], stop: _StopFlag, servers: list[PrivateRedis]
+) -> int:
+    """Wait for a signal or a child's death; restart our private Redis whenever it dies.
+
+    The worker and the API ride out a Redis outage on their own (they retry and re-register),
+    so a dead private Redis is a reason to start it again, not to stop everything.
+    """
     while not stop.requested:
         if _dead_child(children) is not None:
             return 1
+        if servers and servers[0].process.poll() is not None:
+            note(f"the private Redis exited with status {servers[0].process.returncode}")
+            try:
+                servers[0] = servers[0].restart()
+            except (RuntimeError, OSError) as exc:
+                note(f"could not restart the private Redis ({exc}); retrying")
+                time.sleep(1.0)
+                continue
+            note(f"restarted the private Redis at {servers[0].url} (its data is gone)")
         time.sleep(_POLL_S)
     note("stopping")
     return 0

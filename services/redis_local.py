@@ -48,6 +48,16 @@ class PrivateRedis:
     def __post_init__(self) -> None:
         self.url = f"unix://{self.socket_path}"
 
+    def restart(self) -> PrivateRedis:
+        """Start the same binary again on the same socket, after this server died.
+
+        Its data is gone (no persistence); the worker re-publishes its card and heartbeat, and
+        the API ends the streams whose log was lost with a retryable error.
+        """
+        self.socket_path.unlink(missing_ok=True)
+        binary = Path(str(self.process.args[0]))  # type: ignore[index]  # spawned with a list
+        return start_private_redis(binary, self.socket_path.parent, embedded=self.embedded)
+
     def stop(self) -> None:
         """Terminate the server (no persistence to flush) and remove its socket file."""
         terminate([self.process], grace_s=5.0)

@@ -13,6 +13,7 @@
     ├── RateLimited                   429 rate_limited      (retry_after)
     ├── Overloaded                    529 overloaded        (retry_after)
     ├── NoWorker                      503 no_worker
+    ├── Unavailable                   503 unavailable       (retry_after: Redis unreachable)
     ├── WorkerLost                    500 worker_lost
     └── ProtocolError                 500 protocol          (undecodable event or job)
 
@@ -34,6 +35,7 @@ __all__ = [
     "RateLimited",
     "RequestTooLarge",
     "ServiceError",
+    "Unavailable",
     "WorkerLost",
 ]
 
@@ -140,6 +142,13 @@ class NoWorker(ServiceError):
     """The model is known but no live worker serves it."""
 
     code = "no_worker"
+    http_status = 503
+
+
+class Unavailable(ServiceError):
+    """The event store (Redis) cannot be reached, or lost a request's log; retry shortly."""
+
+    code = "unavailable"
     http_status = 503
 
 

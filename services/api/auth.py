@@ -1,8 +1,10 @@
 """API-key authentication: who is calling, as an owner id.
 
 Keys come from ``Settings.all_api_keys()``; no keys configured means auth is off and every
-caller is the anonymous owner ``""``. The owner id stored with a request is the SHA-256 of the
-key, so Redis never holds a usable key and only the creating key can read or replay a request.
+caller is the anonymous owner ``""``. The owner id stored with a request is an HMAC-SHA-256 of
+the key under the deployment secret ``SLUICE_OWNER_SECRET`` (plain SHA-256 when none is set), so
+Redis never holds a usable key, only the creating key can read or replay a request, and with a
+secret someone who reads Redis cannot test guessed keys against the stored ids either.
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ __all__ = ["authenticate", "owner_id", "presented_key"]
 _STATE_ATTR = "sluice_owner"
 
 
-def owner_id(key: str) -> str:
+def owner_id(key: str, secret: str | None = None) -> str:
     """The owner id of an API key.
 
     Args:
         key: the raw key.
+        secret: the deployment secret; None for the unkeyed hash.
 
     Returns:
-        Hex SHA-256 of the key.
+        Hex HMAC-SHA-256 of the key under ``secret``, or hex SHA-256 without one.
     """
+    if secret:
+        return hmac.new(secret.encode(), key.encode(), hashlib.sha256).hexdigest()
     return hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -56,7 +61,7 @@ async def authenticate(request: Request) -> str:
         request: the request; ``request.app.state.sluice.settings`` holds the keys.
 
     Returns:
-        The owner id: SHA-256 of the key, or ``""`` when auth is off.
+        The owner id (``owner_id`` of the key), or ``""`` when auth is off.
 
     Raises:
         AuthenticationFailed: keys are configured and the request has none or an unknown one.
@@ -64,7 +69,8 @@ async def authenticate(request: Request) -> str:
     cached = getattr(request.state, _STATE_ATTR, None)
     if isinstance(cached, str):
         return cached
-    keys = request.app.state.sluice.settings.all_api_keys()
+    settings = request.app.state.sluice.settings
+    keys = settings.all_api_keys()
     if not keys:
         owner = ""
     else:
@@ -79,6 +85,6 @@ async def authenticate(request: Request) -> str:
             matched |= hmac.compare_digest(candidate.encode(), key.encode())
         if not matched:
             raise AuthenticationFailed("invalid API key")
-        owner = owner_id(key)
+        owner = owner_id(key, settings.owner_secret)
     setattr(request.state, _STATE_ATTR, owner)
     return owner

@@ -15,11 +15,12 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from services.api.wire import anthropic_messages, openai_errors
-from shared.errors import InvalidRequest, NotFound, ServiceError
+from shared.errors import InvalidRequest, NotFound, ServiceError, Unavailable
 
 __all__ = ["error_response", "install_error_handlers"]
 
@@ -93,6 +94,14 @@ async def _on_client_disconnect(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
+async def _on_redis_down(request: Request, exc: Exception) -> Response:
+    # Redis restarting, failing over or loading its data: a client that retries in a moment
+    # gets through, so this is a 503 with Retry-After and not an internal error.
+    logger.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, exc)
+    err = Unavailable("the event store is unavailable; retry shortly", retry_after=1)
+    return error_response(request, err)
+
+
 async def _on_unhandled(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(request, ServiceError("internal server error"))
@@ -108,4 +117,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
     app.add_exception_handler(ClientDisconnect, _on_client_disconnect)
+    app.add_exception_handler(RedisConnectionError, _on_redis_down)  # BusyLoading included
+    app.add_exception_handler(RedisTimeout, _on_redis_down)
     app.add_exception_handler(Exception, _on_unhandled)

@@ -11,8 +11,9 @@ Back-pressure: a subscriber whose buffer passes ``high_water`` is paused; its ke
 XREAD (unless another subscriber of the same key is keeping up) and its cursor stays where it was,
 so a slow client costs nothing but its own buffer and never stalls anyone else. When it drains
 below ``low_water`` it resumes from its cursor. Because the stream is a durable log, a lost Redis
-connection is retried from the same cursors without losing or repeating entries. This module
-owns no key names beyond the wake stream and never decodes events.
+connection is retried from the same (explicit) cursors without losing or repeating entries. A
+key Redis refuses (it fails the whole XREAD) fails and drops only its own subscriptions. This
+module owns no key names beyond the wake stream and never decodes events.
 """
 
 from __future__ import annotations
@@ -27,35 +28,20 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeout
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+    ResponseError,
+    TimeoutError as RedisTimeout,
+)
 
+from services.api.stream_ids import StreamId, parse_id
 from shared import keys
 
-__all__ = ["Entry", "HubClosed", "StreamHub", "Subscription", "parse_id"]
+__all__ = ["Entry", "HubClosed", "StreamHub", "Subscription", "SubscriptionFailed", "parse_id"]
 
 logger = logging.getLogger(__name__)
 
 Entry = tuple[str, dict[bytes, bytes]]  # (stream entry id, fields)
-StreamId = tuple[int, int]
-
-
-def parse_id(entry_id: str) -> StreamId:
-    """Parse a Redis stream id (``ms-seq`` or ``ms``) into a comparable tuple.
-
-    Args:
-        entry_id: the id text.
-
-    Returns:
-        ``(ms, seq)``.
-
-    Raises:
-        ValueError: the text is not a stream id.
-    """
-    ms, _, seq = entry_id.strip().partition("-")
-    out = (int(ms), int(seq) if seq else 0)
-    if out[0] < 0 or out[1] < 0:
-        raise ValueError(f"negative stream id {entry_id!r}")
-    return out
 
 
 def _raw_reply(response: Any, **options: Any) -> Any:
@@ -77,6 +63,10 @@ class HubClosed(Exception):
     """The hub stopped while a subscriber was waiting."""
 
 
+class SubscriptionFailed(HubClosed):
+    """Redis refused to read this subscription's stream (e.g. the key is not a stream)."""
+
+
 class Subscription:
     """One consumer's view of one stream: a cursor and a bounded buffer of entries after it."""
 
@@ -87,6 +77,7 @@ class Subscription:
         self.cursor_id = parse_id(after)
         self.paused = False
         self.closed = False
+        self.failure: SubscriptionFailed | None = None
         self._hub = hub
         self._buf: deque[Entry] = deque()
         self._ready = asyncio.Event()
@@ -106,7 +97,7 @@ class Subscription:
         """The next ``(entry_id, fields)``, or None when ``wait_s`` (None: forever) passed first.
 
         Raises:
-            HubClosed: the hub stopped.
+            HubClosed: the hub stopped (``SubscriptionFailed``: Redis refused this stream).
         """
         batch = await self.get_batch(wait_s, limit=1)
         return batch[0] if batch else None
@@ -130,7 +121,7 @@ class Subscription:
         try:
             while not self._buf:
                 if self.closed:
-                    raise HubClosed("stream hub stopped")
+                    raise self.failure or HubClosed("stream hub stopped")
                 if expired:
                     return
                 self._ready.clear()
@@ -279,13 +270,11 @@ class StreamHub:
 
         Args:
             key: the stream key.
-            after: the last id already seen (``0-0`` for the whole stream).
+            after: the last id already seen (``0-0`` for the whole stream); a ``ValueError`` if
+                it is not a stream id (``stream_ids.parse_id``).
 
         Returns:
             The subscription; pass it to ``unsubscribe`` when done.
-
-        Raises:
-            ValueError: ``after`` is not a stream id.
         """
         sub = Subscription(self, key, after)
         self._subs.setdefault(key, []).append(sub)
@@ -304,9 +293,11 @@ class StreamHub:
 
     @contextlib.asynccontextmanager
     async def subscription(self, key: str, after: str = "0-0") -> AsyncIterator[Subscription]:
-        """``subscribe`` as an async context manager that always unsubscribes."""
-        sub = await self.subscribe(key, after)
+        """``subscribe`` as a context manager; it unsubscribes even if cancelled in ``wake``."""
+        sub = Subscription(self, key, after)
+        self._subs.setdefault(key, []).append(sub)
         try:
+            await self.wake()
             yield sub
         finally:
             self.unsubscribe(sub)
@@ -356,8 +347,22 @@ class StreamHub:
                     if not sub.paused and sub.cursor_id < parsed:
                         sub._push(entry_id, parsed, fields)
 
-    def _stopped(self) -> bool:
-        # a method, not the attribute, so the type checker does not narrow it inside the loop
+    async def _isolate(self, streams: dict[str, str]) -> bool:
+        """Fail the subscriptions whose stream Redis refuses on its own; True if any did."""
+        found = False  # each key read alone, without BLOCK: returns at once
+        for key, cursor in streams.items():
+            try:
+                await self._commands.xread({key: cursor}, count=1)
+            except ResponseError as exc:
+                logger.warning("stream hub: dropping the subscriptions of %s: %s", key, exc)
+                for sub in self._subs.pop(key, []):
+                    sub.failure = SubscriptionFailed(f"cannot read {key}: {exc}")
+                    sub._close()
+                self._version += 1
+                found = True
+        return found
+
+    def _stopped(self) -> bool:  # a method, so the type checker does not narrow it in the loop
         return self._stopping
 
     async def _run(self) -> None:
@@ -372,21 +377,17 @@ class StreamHub:
                     count=self.count,
                     block=self.block_ms,
                 )
-            except (RedisConnectionError, RedisTimeout, OSError) as exc:
-                # The cursors are explicit, so retrying later loses and repeats nothing.
+            except Exception as exc:  # boundary: if this task died, every stream would hang
                 self._inflight_version = -1
                 if self._stopped():
                     return
-                logger.warning("stream hub read failed (%s); retrying in %.2fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            except Exception:  # boundary: if this task died, every stream would hang silently
-                self._inflight_version = -1
-                if self._stopped():
-                    return
-                logger.exception("stream hub reader failed; reconnecting in %.2fs", backoff)
-                await self._reconnect()
+                if isinstance(exc, ResponseError) and await self._isolate(streams):
+                    continue  # Redis refused the whole call for one bad key; only it is dropped
+                if isinstance(exc, RedisConnectionError | RedisTimeout | OSError):  # cursors kept
+                    logger.warning("stream hub read failed (%s); retrying in %.2fs", exc, backoff)
+                else:  # a connection that failed oddly may be mid-reply: replace it
+                    logger.exception("stream hub reader failed; reconnecting in %.2fs", backoff)
+                    await self._reconnect()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from services.api.hub import parse_id
 from services.api.state import AppState
+from services.api.stream_ids import parse_id
 from services.api.streaming import Projector
 from shared import keys
 from shared.codec import decode_entry

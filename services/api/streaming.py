@@ -12,7 +12,9 @@ write (``get_batch``), so an overloaded process spends fewer syscalls exactly wh
 Until a request's first event arrives, the wait is also bounded by ``start_timeout_s`` from its
 creation; past it, ``start_timeout.claim_unstarted`` ends the request with a retryable
 ``Error(overloaded)`` unless a worker holds it, and that Error reaches every watcher through the
-stream like any other event.
+stream like any other event. A silent tail is also checked by ``stream_watch``: a log that
+vanished (Redis restarted without persistence) or a stream nobody has leased for longer than the
+lease TTL plus a margin ends with a retryable ``worker_lost`` error (``StreamLost``).
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from services.api import access
 from services.api.metrics import format_of
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
+from services.api.stream_ids import parse_id
+from services.api.stream_watch import StreamLost, StreamWatch
 from services.api.submit import cancel
 from services.api.wire import sse
 from shared import keys
@@ -61,6 +66,14 @@ class Projector(Protocol):
         ...
 
 
+async def _ended_by(state: AppState, rid: str, after: str) -> bool:
+    """Whether the stream's terminal event is at or before entry ``after``."""
+    last = await state.redis.xrevrange(keys.events(rid), count=1)
+    if not last or parse_id(last[0][0].decode()) > parse_id(after):
+        return False
+    return is_terminal(decode_entry(last[0][1]))
+
+
 async def _batches(
     state: AppState, rid: str, after: str
 ) -> AsyncGenerator[list[tuple[str, AnyEvent]], None]:
@@ -69,11 +82,15 @@ async def _batches(
     keepalive_s = state.settings.keepalive_s
     # Until the first entry arrives the wait is also bounded by the start deadline; a client
     # resuming after an entry id saw the request start already.
+    if after != "0-0" and await _ended_by(state, rid, after):
+        return  # resumed after the terminal entry: nothing will ever follow it
     deadline = None if after != "0-0" else await start_deadline(state.redis, rid, state.settings)
+    watch = StreamWatch(state, rid, started=after != "0-0")
     async with state.hub.subscription(keys.events(rid), after) as sub:
-        quiet_since = time.monotonic()
+        quiet_since = checked = time.monotonic()
         while True:
-            wait_s = keepalive_s - (time.monotonic() - quiet_since)
+            now = time.monotonic()
+            wait_s = min(keepalive_s - (now - quiet_since), watch.check_s - (now - checked))
             if deadline is not None:
                 if deadline <= time.monotonic():
                     # Past the deadline: end it unless a worker got there first (then look
@@ -84,8 +101,13 @@ async def _batches(
             entries = await sub.get_batch(max(wait_s, 0.0))
             if entries:
                 deadline = None
-            elif time.monotonic() - quiet_since < keepalive_s:
-                continue  # woken by the start deadline, not by a silence: no keepalive yet
+                watch.alive()
+            else:
+                if time.monotonic() - checked >= watch.check_s:
+                    checked = time.monotonic()
+                    await watch.check()  # raises StreamLost when nothing will ever end it
+                if time.monotonic() - quiet_since < keepalive_s:
+                    continue  # woken by a deadline or a check, not by a silence: no keepalive
             quiet_since = time.monotonic()
             batch: list[tuple[str, AnyEvent]] = []
             for entry_id, fields in entries:
@@ -151,8 +173,8 @@ async def _frames(
     projector: Projector,
     after: str,
     keepalive: sse.Frame | None,
-    cancel_on_disconnect: bool = True,
-) -> AsyncIterator[bytes]:
+    ending: _Ending,
+) -> AsyncGenerator[bytes, None]:
     ping = sse.encode(keepalive) if keepalive is not None else sse.comment()
     finished = False
     rec = access.record()
@@ -187,6 +209,14 @@ async def _frames(
                         )
                 if out:
                     yield b"".join(out)
+        if not finished:  # resumed after the terminal entry: only the format's end is left
+            finished = True
+            if end := b"".join(sse.encode(f) for f in projector.close()):
+                yield end
+    except StreamLost as exc:  # nothing will end this stream: a retryable error ends it here
+        finished = True
+        lost = Error(kind="worker_lost", message=exc.message, retryable=True)
+        yield b"".join(sse.encode(f) for f in [*projector.feed(lost), *projector.close()])
     except Exception as exc:  # boundary: after the headers, errors travel in-band only
         logger.exception("stream of %s failed", rid)
         finished = True
@@ -195,8 +225,45 @@ async def _frames(
         with contextlib.suppress(Exception):
             yield b"".join(sse.encode(f) for f in [*projector.feed(error), *projector.close()])
     finally:
-        if not finished and cancel_on_disconnect:  # client gone before the end
-            _spawn(state, _cancel_unless_resumed(state, rid))
+        ending.finished = finished
+
+
+class _Ending:
+    """Whether a stream's body reached its end; written by the body, read by its response."""
+
+    finished = False
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that cancels its request when it ends before the stream did.
+
+    Armed here, around the whole response, rather than in the body's ``finally``: a client
+    that drops right after (or before) the headers can be gone before the body generator ever
+    runs, and a generator that never ran has no ``finally`` to run.
+    """
+
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        ending: _Ending,
+        on_abandon: Callable[[], None] | None,
+        headers: dict[str, str],
+    ) -> None:
+        """Wrap ``body``; ``on_abandon`` runs if it did not finish (None: an observer)."""
+        super().__init__(body, headers=headers, media_type=sse.MEDIA_TYPE)
+        self._body = body
+        self._ending = ending
+        self._on_abandon = on_abandon
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the response; whatever happens, cancel the request if the stream did not end."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._body.aclose()  # unsubscribe now, not when collected
+            if not self._ending.finished and self._on_abandon is not None:
+                self._on_abandon()
 
 
 def sse_response(
@@ -228,10 +295,16 @@ def sse_response(
         The streaming response.
     """
     _count_reads(state, request, resumed=after != "0-0")
-    return StreamingResponse(
-        _frames(state, rid, projector, after, keepalive, cancel_on_disconnect),
-        headers={**sse.HEADERS, **(headers or {})},
-        media_type=sse.MEDIA_TYPE,
+    ending = _Ending()
+
+    def abandon() -> None:  # client gone before the end
+        _spawn(state, _cancel_unless_resumed(state, rid))
+
+    return _SSEResponse(
+        _frames(state, rid, projector, after, keepalive, ending),
+        ending,
+        abandon if cancel_on_disconnect else None,
+        {**sse.HEADERS, **(headers or {})},
     )
 
 

@@ -3,8 +3,10 @@
 Every wire route ends in ``submit``. The checks run in order of cost and nothing is written to
 Redis until all of them pass, so a rejected request leaves no trace: unknown model (404), no
 live worker (503), prompt too long for the context (400), queue full (429 with Retry-After).
-Then one pipeline stores the request hash and the in-flight entry, and arq gets the job with
-``job id = request id`` (a duplicate enqueue is a no-op) and a msgpack payload.
+Then one pipeline stores the request hash and the in-flight entry, and the job goes onto arq's
+queue with ``job id = request id`` (a duplicate enqueue is a no-op) and a msgpack payload,
+through the protocol's ``ENQUEUE_BOUNDED`` script: the bound is checked in the same atomic step
+as the enqueue (a refused request's hash and in-flight entry are removed again).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from services import arq_keys
 from services.api import access
 from shared import keys, logs
 from shared.codec import encode_job
@@ -27,7 +31,7 @@ from shared.errors import (
     ServiceError,
 )
 from shared.jobs import GenerateRequest, Job
-from shared.protocol import JOB_FUNCTION
+from shared.protocol import JOB_FUNCTION, QUEUE_FULL, Scripts
 
 if TYPE_CHECKING:
     from services.api.state import AppState
@@ -83,6 +87,8 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
         rendered = await asyncio.to_thread(loaded.renderer.render, job)
     except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
         raise InvalidRequest(f"could not render the conversation: {exc}", param="messages") from exc
+    except RecursionError as exc:  # a tool schema nested deeper than any walk of it can go
+        raise InvalidRequest("a tool schema is nested too deeply", param="tools") from exc
     prompt_ids = list(rendered.token_ids)
     context = loaded.card.context_length
     wanted = job.max_tokens or 1
@@ -110,16 +116,36 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
     logs.bind(request_id=rid, model=job.model)
     sent = time.perf_counter()
     await _store(state, tokenized)
-    payload = encode_job(tokenized)
-    await state.arq.enqueue_job(
-        JOB_FUNCTION,
-        payload,
-        _job_id=rid,
-        _queue_name=queue,
-        _expires=state.settings.job_expires_s,
-    )
+    if await _enqueue(state, tokenized) == QUEUE_FULL:
+        await _unstore(state, tokenized)
+        raise RateLimited(f"the queue for '{job.model}' is full", retry_after=1)
     state.metrics.redis_rtt.labels("admit").observe(time.perf_counter() - sent)
     return tokenized
+
+
+async def _enqueue(state: AppState, job: Job) -> int:
+    """arq's enqueue (job id = request id, a duplicate is a no-op) with the queue bound checked
+    atomically: the ``ZCARD`` above is only a cheap early refusal, and a burst would pass it
+    all at once."""
+    now_ms = int(time.time() * 1000)
+    serializer: Callable[[Any], bytes] = state.arq.job_serializer or msgspec.msgpack.encode
+    return await Scripts(state.redis).enqueue_bounded(
+        job.model,
+        job.request_id,
+        arq_keys.envelope(JOB_FUNCTION, encode_job(job), now_ms, serializer),
+        job_key=arq_keys.job(job.request_id),
+        result_key=arq_keys.result(job.request_id),
+        score_ms=now_ms,
+        expires_ms=state.settings.job_expires_s * 1000,
+        bound=state.settings.queue_max,
+    )
+
+
+async def _unstore(state: AppState, job: Job) -> None:
+    async with state.redis.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.request(job.request_id))
+        pipe.zrem(keys.inflight(job.model), job.request_id)
+        await pipe.execute()
 
 
 async def _store(state: AppState, job: Job) -> None:

@@ -4,7 +4,10 @@ Every ``heartbeat_s`` one pipeline (one round trip, whatever the number of activ
 writes ``sluice:worker:{wid}`` (model, slots, active, version, device, tokens/s since the last
 beat, tokens generated and requests served; TTL three beats), scores the worker
 in ``sluice:workers``, and refreshes the lease of every request this worker is generating while
-reading its cancel flag. Per-step cancellation is the publisher's job (the flag rides on every
+reading its cancel flag. The same pipeline re-publishes the model card's name and checks the
+card is still there, writing it again if not: a Redis that restarted without persistence (or
+failed over to an empty replica) has lost it, and without it the API answers 404 for a model
+that is being served. Per-step cancellation is the publisher's job (the flag rides on every
 publish); this loop only rescues a request whose step is stuck (e.g. a long prefill), by
 cancelling its task once it has been silent for a beat.
 """
@@ -66,12 +69,17 @@ async def beat_once(wc: WorkerContext) -> None:
         pipe.zadd(keys.workers(), {wc.wid: now_ms})
         # Anything not seen for a minute is gone: keep the registry from growing forever.
         pipe.zremrangebyscore(keys.workers(), "-inf", now_ms - max(ttl_ms, 60_000))
+        pipe.sadd(keys.models(), wc.name)
+        pipe.exists(keys.model_card(wc.name))
         for job in active:
             await scripts.queue_refresh(pipe, job.rid, wc.wid, lease_ms)
         sent = time.perf_counter()
         results = await pipe.execute(raise_on_error=False)
         wc.metrics.redis_rtt.labels("heartbeat").observe(time.perf_counter() - sent)
-    for job, result in zip(active, results[4:], strict=True):
+    if results[5] == 0 and wc.card:  # only when missing: a real card is megabytes of tokenizer
+        log.warning("model card of %s missing from Redis; publishing it again", wc.name)
+        await wc.redis.hset(keys.model_card(wc.name), "card", wc.card)  # type: ignore[misc,arg-type]
+    for job, result in zip(active, results[6:], strict=True):
         if isinstance(result, Exception):
             log.warning("%s: lease refresh failed: %s", job.rid, result)
             continue

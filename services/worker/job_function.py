@@ -73,6 +73,7 @@ class WorkerContext:
     generated: int = 0  # tokens this worker has published (the heartbeat derives tokens/s)
     rate_mark: tuple[float, int] = field(default_factory=lambda: (time.monotonic(), 0))
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    card: bytes = b""  # the encoded model card, re-published by the heartbeat when missing
 
 
 async def generate(ctx: dict[str, Any], payload: bytes) -> None:

@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 JOB_TIMEOUT_S = 6 * 3600  # arq's per-job timeout: only a backstop, leases handle crashes
 SHUTDOWN_GRACE_S = 5.0  # SIGTERM: let in-flight requests finish this long, then hand them over
+POLL_BACKOFF_MIN_S = 0.05  # first retry after a failed queue poll (Redis down or restarting)
+POLL_BACKOFF_MAX_S = 2.0  # the longest wait between polls while Redis stays down
 
 # arq stores failure results as exception objects; msgpack cannot, so they become their repr.
 _ARQ_ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)
@@ -81,19 +83,45 @@ def load_backend(settings: Settings, model_spec: str, name: str | None) -> Backe
 
 
 class OwnJobsWorker(Worker):
-    """arq's ``Worker`` without a Redis transaction per running job per poll.
+    """arq's ``Worker`` without a Redis transaction per running job per poll, that rides out
+    a Redis outage.
 
     arq leaves a job's id in the queue until the job finishes, so every poll (every 10 ms here)
     re-checks each job this worker is already running with a WATCH/EXISTS/ZSCORE transaction.
     While one stream decoded that was ~40 % of the worker's event-loop CPU (py-spy), plus the
     Redis work, all taken from the cores the model runs on. Ids of this worker's own unfinished
     jobs are skipped before that check; everything else goes through arq unchanged.
+
+    arq's poll loop has no error handling: the first failed command (a Redis restart, a
+    failover) ends ``main`` and with it the worker. Here a failed poll is logged and retried
+    with a capped exponential backoff, so consumption resumes by itself once Redis answers.
     """
+
+    _backoff_s = 0.0  # the current retry delay; 0 while Redis answers
+
+    async def _poll_iteration(self) -> None:
+        try:
+            await super()._poll_iteration()
+        except (RedisError, OSError) as exc:
+            self._backoff_s = min(max(self._backoff_s * 2, POLL_BACKOFF_MIN_S), POLL_BACKOFF_MAX_S)
+            log.warning("queue poll failed (%s); retrying in %.2f s", exc, self._backoff_s)
+            await asyncio.sleep(self._backoff_s)
+            return
+        if self._backoff_s:
+            log.info("queue poll recovered")
+            self._backoff_s = 0.0
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """Start the jobs among ``job_ids`` that this worker is not already running."""
         running = {jid for jid, task in self.tasks.items() if not task.done()}
-        await super().start_jobs([j for j in job_ids if j.decode() not in running])
+        try:
+            await super().start_jobs([j for j in job_ids if j.decode() not in running])
+        except (RedisError, OSError):
+            # arq failed between taking a slot (counter + semaphore) and starting the task,
+            # the only place its loop can raise: give that one slot back or it leaks for good.
+            self.job_counter -= 1
+            self.sem.release()
+            raise
 
 
 class RunningWorker:
@@ -180,7 +208,9 @@ async def start_worker(
     card = msgspec.structs.replace(backend.card, created=int(time.time()))
     name = card.name
     wid = wid or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    wc = WorkerContext(settings=settings, redis=redis, backend=backend, name=name, wid=wid)
+    wc = WorkerContext(
+        settings=settings, redis=redis, backend=backend, name=name, wid=wid, card=encode_card(card)
+    )
     wc.metrics.bind(
         model=name,
         wid=wid,
@@ -190,7 +220,7 @@ async def start_worker(
         engine=getattr(backend, "scheduler", None),
     )
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.hset(keys.model_card(name), "card", encode_card(card))
+        pipe.hset(keys.model_card(name), "card", wc.card)
         pipe.sadd(keys.models(), name)
         await pipe.execute()
     await beat_once(wc)  # registered before the first job can arrive
@@ -211,7 +241,10 @@ async def start_worker(
         job_timeout=JOB_TIMEOUT_S,
         max_tries=1,
         retry_jobs=False,
-        keep_result=60,  # nobody reads results (events go to the stream); ids stay taken 60 s
+        # No results: nobody reads them (events go to the stream), and arq's result repeats the
+        # job's arguments, i.e. the prompt, beyond a deleted response. A duplicate of a finished
+        # job is harmless: the job function sees the terminal event and does nothing.
+        keep_result=0,
         health_check_key=f"{keys.worker(wid)}:arq",
         health_check_interval=10,
         job_serializer=arq_serialize,

@@ -7,7 +7,9 @@ stream already ended) or claims it atomically (``SET lease recovering:<wid> NX``
 ``claim_lost``) and re-enqueues a continuation job ``{rid}:{attempt}`` from the request hash's
 ``job`` field. The continuation worker resumes after the tokens already on the stream, so the
 client sees one answer. A request that has used up ``max_attempts`` ends with
-``Error(worker_lost)`` instead.
+``Error(worker_lost)`` instead. Either way the dead runs' arq entries (queue id, in-progress
+marker, payload) are removed, and ``sweep_orphans`` removes those of runs whose request already
+ended, so a crashed worker leaves nothing behind for longer than a sweep.
 
 This replaces arq's own crash handling (re-run from scratch after ``job_timeout + 10 s``), which
 ``max_tries=1`` switches off.
@@ -19,7 +21,10 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
+import msgspec
 from arq.connections import ArqRedis
 from redis.exceptions import RedisError
 
@@ -29,11 +34,13 @@ from services.worker.publisher import Publisher
 from shared import keys
 from shared.codec import decode_entry
 from shared.events import Error, is_terminal
-from shared.protocol import JOB_FUNCTION, claim_lost
+from shared.protocol import ENQUEUED, JOB_FUNCTION, Scripts, claim_lost
 
-__all__ = ["sweep_loop", "sweep_once"]
+__all__ = ["ORPHAN_SCAN", "sweep_loop", "sweep_once", "sweep_orphans"]
 
 log = logging.getLogger(__name__)
+
+ORPHAN_SCAN = 100  # queue ids checked for dead runs per sweep: arq's default queue_read_limit
 
 
 async def sweep_loop(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> None:
@@ -42,6 +49,7 @@ async def sweep_loop(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> 
         await asyncio.sleep(wc.settings.heartbeat_s)
         try:
             await sweep_once(wc, arq, job_timeout_s)
+            await sweep_orphans(wc, ORPHAN_SCAN)
         except RedisError as exc:
             log.warning("recovery sweep failed: %s", exc)
 
@@ -67,26 +75,113 @@ async def sweep_once(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> 
             pipe.exists(keys.lease(rid))
             pipe.pttl(arq_keys.in_progress(rid))
             pipe.zscore(keys.queue(wc.name), rid)
+            pipe.exists(keys.events(rid))
         flat = await pipe.execute()
     in_progress_ms = (job_timeout_s + arq_keys.IN_PROGRESS_EXTRA_S) * 1000
     acted: list[str] = []
     for i, rid in enumerate(rids):
-        leased, pttl, queued = flat[3 * i : 3 * i + 3]
+        leased, pttl, queued, started = flat[4 * i : 4 * i + 4]
         if leased:
             continue
         if queued is not None and pttl == -2:
             continue  # still waiting in the queue: nobody lost it
         if pttl > 0 and in_progress_ms - pttl < grace_ms:
             continue  # picked up a moment ago; its lease is on the way
+        if pttl == -2 and not started:
+            # Not queued, not running, nothing published: arq dropped it unstarted because it
+            # waited past its expiry (a SIGKILLed worker leaves its in-progress marker).
+            if await _requeue_expired(wc, arq, rid):
+                acted.append(rid)
+            continue
         if await _recover(wc, arq, rid):
             acted.append(rid)
     return acted
+
+
+async def _requeue_expired(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
+    """Put a request arq dropped for waiting too long back at its place in the queue, without
+    counting an attempt: only the start timeout may end a request that no worker started."""
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        pipe.hget(keys.request(rid), "attempts")
+        pipe.hget(keys.request(rid), "job")
+        pipe.zscore(keys.inflight(wc.name), rid)
+        attempts, payload, since = await pipe.execute()
+    if payload is None or since is None:
+        return False  # ended meanwhile, or its record is gone: the in-flight sweep decides
+    n = int(attempts or 0)
+    jid = rid if n == 0 else f"{rid}:{n + 1}"
+    serializer: Callable[[Any], bytes] = arq.job_serializer or msgspec.msgpack.encode
+    await wc.redis.delete(arq_keys.result(jid))  # arq's "expired" record would block the id
+    result = await Scripts(wc.redis).enqueue_bounded(
+        wc.name,
+        jid,
+        arq_keys.envelope(JOB_FUNCTION, payload, int(since), serializer),
+        job_key=arq_keys.job(jid),
+        result_key=arq_keys.result(jid),
+        score_ms=max(int(since), 1),  # its place (arq reads a score of 0 as "no job")
+        expires_ms=wc.settings.job_expires_s * 1000,
+        bound=2**53,  # a request already admitted is never refused for a full queue
+    )
+    log.info("%s: waited past its job expiry; queued again at its place (%s)", rid, result)
+    return result == ENQUEUED
+
+
+def _job_ids(rid: str, attempts: int) -> list[str]:
+    """The arq job ids of a request's first ``attempts`` runs: ``rid``, then ``rid:2``, …"""
+    return [rid, *(f"{rid}:{n}" for n in range(2, attempts + 1))]
+
+
+async def _drop_jobs(wc: WorkerContext, job_ids: list[str]) -> None:
+    """Remove dead runs from arq: queue entry, in-progress marker and job payload.
+
+    arq keeps a running job's id in the queue until the job finishes, and its in-progress key
+    lives ``job_timeout + 10`` s (hours here). A SIGKILLed worker finishes nothing, so without
+    this every worker re-checks those ids on every poll (a transaction each, ~6,000 idle Redis
+    ops/s after one kill in the field) and enough of them fill the ids arq reads per poll
+    (``queue_read_limit``) so that no new request ever starts.
+    """
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        pipe.zrem(keys.queue(wc.name), *job_ids)
+        pipe.delete(*[arq_keys.in_progress(j) for j in job_ids], *map(arq_keys.job, job_ids))
+        await pipe.execute()
+
+
+async def sweep_orphans(wc: WorkerContext, limit: int) -> list[str]:
+    """Drop arq entries of runs that no worker is doing and no request is waiting for.
+
+    A worker killed after its request's terminal event but before arq's own bookkeeping leaves
+    a queue entry with an in-progress marker for a request no longer in flight, which the
+    in-flight sweep never sees. Only the first ``limit`` ids are looked at: the ones arq reads.
+    """
+    jids = [j.decode() for j in await wc.redis.zrange(keys.queue(wc.name), 0, limit - 1)]
+    if not jids:
+        return []
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        for jid in jids:
+            pipe.exists(arq_keys.in_progress(jid))
+        running = await pipe.execute()
+    suspects = [j for j, r in zip(jids, running, strict=True) if r]
+    suspects = [j for j in suspects if j.partition(":")[0] not in wc.active]
+    if not suspects:
+        return []
+    async with wc.redis.pipeline(transaction=False) as pipe:
+        for jid in suspects:
+            rid = jid.partition(":")[0]
+            pipe.exists(keys.lease(rid))
+            pipe.zscore(keys.inflight(wc.name), rid)
+        flat = await pipe.execute()
+    dead = [j for i, j in enumerate(suspects) if not flat[2 * i] and flat[2 * i + 1] is None]
+    if dead:
+        log.warning("dropping %d arq entries of finished requests: %s", len(dead), dead[:5])
+        await _drop_jobs(wc, dead)
+    return dead
 
 
 async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
     last = await wc.redis.xrevrange(keys.events(rid), count=1)
     if last and is_terminal(decode_entry(last[0][1])):
         await wc.redis.zrem(keys.inflight(wc.name), rid)
+        await _drop_jobs(wc, _job_ids(rid, wc.settings.max_attempts + 1))
         return True
     lease_ms = int(wc.settings.lease_ttl_s * 1000)
     claim = await claim_lost(wc.redis, rid, wc.wid, lease_ms)
@@ -96,6 +191,7 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         pipe.hincrby(keys.request(rid), "attempts", 1)
         pipe.hget(keys.request(rid), "job")
         attempts, payload = await pipe.execute()
+    await _drop_jobs(wc, _job_ids(rid, attempts))  # the dead runs, before the next is queued
     attempt = attempts + 1
     if payload is None or attempt > wc.settings.max_attempts:
         why = "its request record is gone" if payload is None else f"{attempts} lost attempts"

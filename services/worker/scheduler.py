@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from tokenizers import Tokenizer
@@ -249,7 +249,7 @@ class Scheduler:
             self._release(seq)
         prefilling = [s for s in self._active if s.decoder is None]
         if prefilling:
-            self._prefill_chunk(prefilling[0])
+            self._confined(prefilling[0], self._prefill_chunk, prefilling[0])
         decoding = [s for s in self._active if s.decoder is not None and not s.done]
         if decoding:
             self._decode(decoding)
@@ -294,9 +294,19 @@ class Scheduler:
             seq.kv_len += 1
         rows = logits.cpu()
         for i, seq in enumerate(seqs):
-            self._advance(seq, rows[i], [])
+            self._confined(seq, self._advance, seq, rows[i], [])
         if self.on_step is not None:
             self.on_step(time.perf_counter() - began, len(seqs))
+
+    def _confined(self, seq: SequenceState, work: Callable[..., None], *args: Any) -> None:
+        """Run one sequence's share of a step; if it raises (a prefill, sampling, detokenizing,
+        parsing), that sequence alone ends with the exception and the batch goes on."""
+        try:
+            work(*args)
+        except Exception as exc:
+            log.exception("%s: sequence failed", seq.job.request_id)
+            self._release(seq)
+            seq.emit(exc)
 
     # -- token choice -----------------------------------------------------------------------
 

@@ -6,10 +6,12 @@ nothing behind: no arq job, no request hash, nothing in flight.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import anthropic
 import httpx
+import msgspec
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -205,3 +207,19 @@ async def test_models_parsed_by_both_sdks(
         dormant = await client.get("/v1/models/dormant")
     assert one.json()["id"] == "tiny-test"
     assert dormant.status_code == 404 and dormant.json()["error"]["code"] == "model_not_found"
+
+
+async def test_the_queue_bound_holds_under_a_burst(
+    settings: Settings, tiny_model: ModelCard, redis: aioredis.Redis
+) -> None:
+    """40 submissions at once against a bound of 16: exactly 16 get in, the rest are 429."""
+    bounded = Settings.from_env({}, **{**msgspec.structs.asdict(settings), "queue_max": 16})
+    text = [{"type": "text", "text": "hello"}]
+    body = {"model": tiny_model.name, "messages": [{"role": "user", "content": text}]}
+    async with running_api(bounded) as base, httpx.AsyncClient(base_url=base, timeout=30) as c:
+        replies = await asyncio.gather(*(c.post("/v1/requests", json=body) for _ in range(40)))
+    statuses = sorted(r.status_code for r in replies)
+    assert statuses == [200] * 16 + [429] * 24
+    assert await redis.zcard(keys.queue(tiny_model.name)) == 16
+    assert await redis.zcard(keys.inflight(tiny_model.name)) == 16  # the refused left no trace
+    assert all(r.headers.get("retry-after") for r in replies if r.status_code == 429)

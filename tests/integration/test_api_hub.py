@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from services.api.hub import StreamHub, Subscription, parse_id
+from services.api.hub import StreamHub, Subscription, SubscriptionFailed, parse_id
 
 pytestmark = pytest.mark.integration
 
@@ -44,9 +44,27 @@ def test_parse_id() -> None:
     assert parse_id("1700000000000-12") == (1_700_000_000_000, 12)
     assert parse_id("5") == (5, 0)
     assert parse_id("9-1") > parse_id("9-0") > parse_id("8-99")
-    for bad in ("x", "-1-0", "1-x", ""):
+    assert parse_id("18446744073709551615-18446744073709551615") == (2**64 - 1, 2**64 - 1)
+    for bad in ("x", "-1-0", "1-x", "", "18446744073709551616-0", "0-18446744073709551616",
+                "+1-0", "1_0-0", " 1-0", "1-0-0", "١-0"):  # fmt: skip
         with pytest.raises(ValueError):  # noqa: PT011 - int() says which part is wrong
             parse_id(bad)
+
+
+async def test_a_key_redis_rejects_fails_only_its_own_subscription(
+    hub: StreamHub, redis: aioredis.Redis
+) -> None:
+    """One subscription Redis refuses (a key of another type) must not stop the others."""
+    await redis.set("not-a-stream", b"x")
+    good = await hub.subscribe("s")
+    poisoned = await hub.subscribe("not-a-stream")
+    ids = await fill(redis, "s", 2)
+    assert await take(good, 2) == ids
+    with pytest.raises(SubscriptionFailed, match="WRONGTYPE"):
+        await poisoned.get_batch(5)
+    assert not hub.watching("not-a-stream")
+    more = await fill(redis, "s", 1, "y")
+    assert await take(good, 1) == more
 
 
 async def test_subscribers_get_entries_after_their_cursor(
@@ -148,3 +166,20 @@ async def test_a_blocked_wait_ends_on_stop_or_silence(
     await hub.stop()
     with pytest.raises(HubClosed):
         await waiter
+
+
+async def test_a_subscription_cancelled_while_subscribing_leaves_nothing(hub: StreamHub) -> None:
+    """A client gone while its subscription's wake-up is on the wire (right after the headers)
+    must not leave the key watched: the disconnect cancel is skipped while a key is watched."""
+    await asyncio.sleep(0.2)  # the reader is blocked in XREAD, so subscribing sends a wake-up
+
+    async def client() -> None:
+        async with hub.subscription("gone"):
+            await asyncio.sleep(30)
+
+    task = asyncio.create_task(client())
+    await asyncio.sleep(0)  # it runs until the wake-up's round trip
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not hub.watching("gone")

@@ -149,6 +149,30 @@ async def test_disconnect_sets_cancel_flag(
     assert 0 < await redis.ttl(keys.cancel(rid)) <= 86_400
 
 
+async def test_clients_gone_right_after_the_headers_are_cancelled(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
+    """Clients that hang up as soon as the headers arrive, before any event: every request is
+    cancelled (before the hub's fix, one in 30 leaked its subscription under load, and a
+    watched key skips the cancel)."""
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        rids = [await create(client) for _ in range(30)]
+    host, port = api.removeprefix("http://").split(":")
+
+    async def hang_up(rid: str) -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /v1/requests/{rid}/events HTTP/1.1\r\nhost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        await writer.wait_closed()
+
+    await asyncio.gather(*(hang_up(r) for r in rids))
+    # A hang guard, generous for a loaded CI box: each flag comes a second after its hang-up.
+    missed = [r for r in rids if not await wait_for_key(redis, keys.cancel(r), 800)]
+    assert missed == [], f"{len(missed)} of {len(rids)} not cancelled"
+
+
 async def test_finished_stream_does_not_cancel(
     api: str, redis: aioredis.Redis, tiny_model: ModelCard
 ) -> None:
@@ -187,12 +211,50 @@ async def test_resume_after_last_event_id(
     check_stream(events[:cut] + got)
 
 
-async def test_resume_bad_id_is_400(api: str, tiny_model: ModelCard) -> None:
+@pytest.mark.parametrize("bad", ["x", "18446744073709551616-0", "1-18446744073709551616", "+1"])
+async def test_resume_bad_id_is_400(api: str, tiny_model: ModelCard, bad: str) -> None:
     async with httpx.AsyncClient(base_url=api, timeout=10) as client:
         rid = await create(client)
-        response = await client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": "x"})
-    assert response.status_code == 400
-    assert response.json()["error"]["type"] == "invalid_request_error"
+        response = await client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": bad})
+        by_query = await client.get(f"/v1/requests/{rid}/events", params={"after": bad})
+    for reply in (response, by_query):
+        assert reply.status_code == 400
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 100_000}, "sampling.top_logprobs"),
+        ({"top_logprobs": 5}, "sampling.top_logprobs"),
+        ({"top_p": -1}, "sampling.top_p"),
+        ({"min_p": 5}, "sampling.min_p"),
+        ({"temperature": 1e9}, "sampling.temperature"),
+        ({"top_k": -3}, "sampling.top_k"),
+        ({"repetition_penalty": 0}, "sampling.repetition_penalty"),
+        ({"presence_penalty": 3}, "sampling.presence_penalty"),
+    ],
+)
+async def test_sampling_out_of_range_is_400(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard, sampling: dict[str, object], param: str
+) -> None:
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        reply = await client.post("/v1/requests", json={**JOB, "sampling": sampling})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert await redis.zcard(keys.queue("tiny-test")) == 0
+
+
+async def test_resume_after_the_terminal_entry_closes_at_once(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
+    """A client that got the last frame and reconnects is told the stream is over."""
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        rid = await create(client)
+        ids = [await xadd(redis, rid, e) for e in script(rid, 2)]
+        response = await client.get(f"/v1/requests/{rid}/events", params={"after": ids[-1]})
+    assert response.status_code == 200
+    assert [f async for f in sse_events(response) if "comment" not in f] == []
 
 
 async def test_cancel_endpoint(api: str, redis: aioredis.Redis, tiny_model: ModelCard) -> None:

@@ -286,6 +286,12 @@ async def test_resume_after_last_event_id_continues_without_repeating(
         rest = data_frames(resumed.text)
         replay = data_frames((await http.get(f"/v1/chat/completions/{rid}/events")).text)
         bad = await http.get(f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": "x"})
+        # Dropped right after the last chunk with an id: the resume is the end at once.
+        final_id = [i for i, _ in first if i][-1]
+        after_end = await http.get(
+            f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": final_id}, timeout=5
+        )
+    assert data_frames(after_end.text) == [(None, "[DONE]")]
     assert [d for _, d in first[:cut] + rest] == [d for _, d in first]
     assert [d for _, d in replay] == [d for _, d in first]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"

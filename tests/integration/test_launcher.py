@@ -152,6 +152,24 @@ def test_up_with_private_redis_serves_the_printed_curl_line(launch: list[Launche
         client.close()
     check_stream([decode_entry(fields) for _, fields in entries])
 
+    # The private Redis dies: the launcher starts it again, the worker and the API ride it out.
+    client = redis_sync.Redis(unix_socket_path=str(socket_path))
+    try:
+        os.kill(int(client.info("server")["process_id"]), signal.SIGKILL)
+    finally:
+        client.close()
+    assert launcher.wait_for(r"restarted the private Redis", stream="err"), launcher.text()
+    deadline = time.monotonic() + START_TIMEOUT_S  # a hang guard: the worker re-registers
+    while httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, launcher.text()
+        time.sleep(0.1)
+    again = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert again.status_code == 200, again.text
+    assert (
+        again.json()["choices"][0]["message"]["content"]
+        == completion["choices"][0]["message"]["content"]
+    )
+
     assert launcher.stop() == 0, launcher.text()
     assert not socket_path.exists(), "the private Redis socket outlived the launcher"
 

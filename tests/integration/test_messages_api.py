@@ -291,6 +291,12 @@ async def test_replay_and_resume_after_last_event_id(
         assert parse_sse(replayed.content) == original
         bad = await http.get(f"/v1/messages/{rid}/events", headers={"last-event-id": "nope"})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        # After the terminal entry (it rode on message_stop) there is nothing left: closed at once.
+        final_id = [entry_id for _, entry_id in ids if entry_id][-1]
+        after_end = await http.get(
+            f"/v1/messages/{rid}/events", headers={"last-event-id": str(final_id)}, timeout=5
+        )
+        assert after_end.status_code == 200 and parse_sse(after_end.content) == []
     retrieved = await client.get(f"/v1/messages/{rid}", cast_to=Message)
     assert dump(retrieved) == dump(Message.model_validate(strict_consume(original)))
     with pytest.raises(anthropic.NotFoundError):

@@ -14,6 +14,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from services import arq_keys
 from shared import keys
 from shared.codec import decode_job
 from shared.config import Settings
@@ -140,6 +141,7 @@ async def test_get_delete_and_owner_isolation(
                 model=MODEL, previous_response_id=created.id, input="x", metadata={"script": "text"}
             )
         assert not await redis.exists(keys.events(created.id), keys.request(created.id))
+        assert not await redis.exists(arq_keys.result(created.id))  # no copy of the prompt left
 
         unstored = await owner.responses.create(**request("text"), store=False)  # type: ignore[call-overload]
         assert unstored.store is False

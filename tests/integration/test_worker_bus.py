@@ -12,8 +12,9 @@ import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 from prometheus_client import generate_latest
 
+from services import arq_keys
 from services.worker.main import JOB_TIMEOUT_S, arq_deserialize, arq_serialize
-from services.worker.recovery import sweep_once
+from services.worker.recovery import ORPHAN_SCAN, sweep_once, sweep_orphans
 from services.worker.scripted import ScriptedBackend, parse_spec
 from shared import keys
 from shared.codec import decode_entry, encode_job
@@ -43,7 +44,9 @@ def make_job(rid: str, model: str, script: str | None = None, text: str = "hi") 
     return tokenize(request, SCRIPTED_CARD)
 
 
-async def submit(redis_url: str, job: Job, job_id: str | None = None) -> bool:
+async def submit(
+    redis_url: str, job: Job, job_id: str | None = None, *, expires_s: float = 60
+) -> bool:
     """Do what the API does: request hash, in-flight entry, arq job (id = request id)."""
     arq = ArqRedis.from_url(redis_url)
     arq.job_serializer, arq.job_deserializer = arq_serialize, arq_deserialize
@@ -53,7 +56,7 @@ async def submit(redis_url: str, job: Job, job_id: str | None = None) -> bool:
         await arq.zadd(keys.inflight(job.model), {job.request_id: 0}, nx=True)
         enqueued = await arq.enqueue_job(
             JOB_FUNCTION, payload, _job_id=job_id or job.request_id,
-            _queue_name=keys.queue(job.model), _expires=60,
+            _queue_name=keys.queue(job.model), _expires=expires_s,
         )  # fmt: skip
         return enqueued is not None
     finally:
@@ -112,7 +115,9 @@ async def test_duplicate_enqueue_is_a_no_op(redis: aioredis.Redis, redis_url: st
         job = make_job("req-dup", worker.name)
         assert await submit(redis_url, job)
         first = await read_stream(redis, "req-dup")
-        assert not await submit(redis_url, job)  # arq refuses the taken job id
+        # The same id again: refused while arq still holds the finished job, else run as a
+        # duplicate; workers keep no results, so either may happen. Neither changes the stream.
+        await submit(redis_url, job)
         # Even a job that reaches a worker again (other id) finds the terminal and does nothing.
         assert await submit(redis_url, job, job_id="req-dup:again")
         assert await settled(redis, keys.queue(worker.name)) == 0
@@ -279,6 +284,12 @@ async def test_sweeper_leaves_queued_and_live_requests_alone(
         assert await submit(redis_url, make_job("req-queued", worker.name))  # no free slot
         acted = await sweep_once(worker.running.wc, worker.running.arq, JOB_TIMEOUT_S)
         assert acted == []
+        assert await sweep_orphans(worker.running.wc, ORPHAN_SCAN) == []  # in flight: kept
+        # A run that died after its request ended (no lease, not in flight) is dropped.
+        await redis.zadd(keys.queue(worker.name), {"req-ended:2": 1})
+        await redis.set(arq_keys.in_progress("req-ended:2"), 1, ex=3600)
+        assert await sweep_orphans(worker.running.wc, ORPHAN_SCAN) == ["req-ended:2"]
+        assert not await redis.exists(arq_keys.in_progress("req-ended:2"))
         assert not await redis.exists(keys.lease("req-queued"))
         assert await redis.zcard(keys.queue(worker.name)) == 2  # arq keeps running jobs there
         for rid in ("req-busy", "req-queued"):
@@ -288,3 +299,21 @@ async def test_sweeper_leaves_queued_and_live_requests_alone(
     check_stream(busy)
     check_stream(queued)
     assert isinstance(queued[0], Error) and queued[0].kind == "cancelled"
+
+
+async def test_a_queue_wait_past_the_job_expiry_is_not_a_lost_worker(
+    redis: aioredis.Redis, redis_url: str
+) -> None:
+    """arq drops a job that waited past its expiry; that costs no failover attempt: the request
+    is queued again at its place and starts as a first attempt."""
+    spec = "scripted:long?rate=600&max_batch=1"  # one slot, busy for a few seconds
+    async with running_worker(redis_url, spec, FAST_FAILOVER) as worker:
+        assert await submit(redis_url, make_job("req-first", worker.name))
+        await read_stream(redis, "req-first", until=2)
+        assert await submit(redis_url, make_job("req-waits", worker.name), expires_s=0.5)
+        await read_stream(redis, "req-first")
+        waited = await read_stream(redis, "req-waits")
+    check_stream(waited)
+    assert isinstance(waited[0], Start) and waited[0].attempt == 1
+    assert isinstance(waited[-1], Finish)
+    assert await redis.hget(keys.request("req-waits"), "attempts") is None  # type: ignore[misc]

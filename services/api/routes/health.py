@@ -1,12 +1,16 @@
 """Liveness and readiness probes (no auth: orchestrators call them without keys).
 
 ``/healthz`` says the process is up. ``/readyz`` says it can serve: Redis answers and at least
-one worker's heartbeat is live; otherwise 503 with what is missing. ``/metrics`` is this
+one worker's heartbeat is live; otherwise 503 with what is missing. A heartbeat counts only if it
+was written since the Redis server started: after a restart from an AOF the restored heartbeats
+of workers that died with it would otherwise read as live for a lease TTL. ``/metrics`` is this
 process's Prometheus exposition (``services/api/metrics.py``), unauthenticated like the probes:
 it carries counts and model names, never request content.
 """
 
 from __future__ import annotations
+
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,8 +34,9 @@ async def readyz(request: Request) -> JSONResponse:
     """Redis is reachable and at least one worker heartbeat is live (503 otherwise)."""
     state = get_state(request)
     try:
-        await state.redis.ping()
-        live = await state.cards.live_models(fresh=True)
+        info = await state.redis.info("server")
+        started_ms = (time.time() - int(info["uptime_in_seconds"])) * 1000
+        live = await state.cards.live_models(fresh=True, not_before_ms=started_ms)
     except Exception as exc:  # boundary: a probe reports failure, it does not raise
         return JSONResponse(
             {"status": "unavailable", "redis": False, "error": str(exc), "models": {}},

@@ -13,15 +13,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from services.api.auth import authenticate
-from services.api.hub import parse_id
 from services.api.ownership import REQUESTS, load_owned
 from services.api.state import get_state
+from services.api.stream_ids import parse_id
 from services.api.streaming import sse_response
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire import sse
+from services.api.wire.common import UNDECODABLE, check_range, undecodable
 from shared.errors import InvalidRequest
 from shared.events import AnyEvent
-from shared.jobs import GenerateRequest
+from shared.jobs import GenerateRequest, SamplingParams
 
 __all__ = ["NativeProjector", "router"]
 
@@ -49,6 +50,8 @@ def _parse_job(body: bytes, rid: str) -> GenerateRequest:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    except UNDECODABLE as exc:
+        raise undecodable(exc) from exc
     if not isinstance(raw, dict):
         raise InvalidRequest("the body must be a JSON object")
     for name in raw:
@@ -61,11 +64,31 @@ def _parse_job(body: bytes, rid: str) -> GenerateRequest:
     raw["request_id"] = rid
     raw["origin"] = "native"
     try:
-        return msgspec.convert(raw, GenerateRequest)
+        job = msgspec.convert(raw, GenerateRequest)
     except msgspec.ValidationError as exc:
         message = str(exc)
         _, _, path = message.partition(" - at `$.")
         raise InvalidRequest(message, param=path.rstrip("`") or None) from exc
+    _check_sampling(job.sampling)
+    if job.min_tokens < 0:
+        raise InvalidRequest("min_tokens must not be negative", param="min_tokens")
+    return job
+
+
+def _check_sampling(s: SamplingParams) -> None:
+    """The wire formats' ranges: the worker decodes many requests in one batch, and a value it
+    cannot sample with must be refused here rather than fail inside the decode step."""
+    check_range(s.temperature, 0.0, 2.0, "sampling.temperature")
+    check_range(s.top_p, 0.0, 1.0, "sampling.top_p")
+    check_range(s.min_p, 0.0, 1.0, "sampling.min_p")
+    check_range(s.presence_penalty, -2.0, 2.0, "sampling.presence_penalty")
+    check_range(s.frequency_penalty, -2.0, 2.0, "sampling.frequency_penalty")
+    check_range(s.top_logprobs, 0, 20, "sampling.top_logprobs")
+    check_range(s.repetition_penalty, 1e-6, 100.0, "sampling.repetition_penalty")
+    if s.top_k is not None and s.top_k < 0:
+        raise InvalidRequest("sampling.top_k must not be negative", param="sampling.top_k")
+    if s.top_logprobs and not s.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs: true", param="sampling.top_logprobs")
 
 
 @router.post("/v1/requests")

@@ -102,6 +102,27 @@ def decode_body(
         raise invalid(exc) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except UNDECODABLE as exc:
+        raise undecodable(exc) from exc
+
+
+# What msgspec raises, besides its own errors, for a body no client should send: invalid UTF-8
+# inside a string, and nesting deeper than its recursion limit.
+UNDECODABLE = (UnicodeDecodeError, RecursionError)
+
+
+def undecodable(exc: Exception) -> InvalidRequest:
+    """The 400 for a body in ``UNDECODABLE``'s sense (invalid UTF-8, absurd nesting).
+
+    Args:
+        exc: what the decoder raised.
+
+    Returns:
+        The error to raise.
+    """
+    if isinstance(exc, UnicodeDecodeError):
+        return InvalidRequest(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}")
+    return InvalidRequest("request body is nested too deeply")
 
 
 def reasoning_effort(effort: str | None, param: str) -> ReasoningEffort | None:

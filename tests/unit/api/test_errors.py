@@ -19,6 +19,7 @@ from shared.errors import (
     RateLimited,
     RequestTooLarge,
     ServiceError,
+    Unavailable,
     WorkerLost,
 )
 
@@ -68,6 +69,7 @@ CASES = [
     ),
     (Overloaded("busy"), 503, "service_unavailable_error", "overloaded", 529, "overloaded_error"),
     (NoWorker("none"), 503, "server_error", "no_worker", 503, "overloaded_error"),
+    (Unavailable("down"), 503, "server_error", "unavailable", 503, "overloaded_error"),
     (WorkerLost("dead"), 500, "server_error", "worker_lost", 500, "api_error"),
     (ProtocolError("bytes"), 500, "server_error", "protocol", 500, "api_error"),
     (ServiceError("boom"), 500, "server_error", "internal", 500, "api_error"),

@@ -290,3 +290,25 @@ async def test_engine_metrics_observe_steps_and_return_to_idle(tiny_dir: Path) -
     assert sample(text, "sluice_kv_cache_usage_perc", model="tiny") == 0  # idle again
     assert sample(text, "sluice_num_requests_waiting_engine", model="tiny") == 0
     assert sample(text, "sluice_worker_info", device="cpu") == 1
+
+
+async def test_a_failing_sequence_fails_alone(backend: TorchBackend) -> None:
+    """A per-sequence failure (here top_logprobs beyond the vocabulary, which the API refuses
+    but the worker must survive) ends that request only; its batch-mates finish unchanged."""
+    good = job("The capital of France is", "good", max_tokens=10, ignore_eos=True)
+    alone = generated_token_ids(await run(backend, good))
+    backend.scheduler.cache.tokens = [[] for _ in range(backend.max_batch)]
+    poison = job(
+        "Hello world",
+        "poison",
+        max_tokens=10,
+        sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=100_000),
+    )
+    outcomes = await asyncio.gather(
+        run(backend, good), run(backend, poison), return_exceptions=True
+    )
+    assert isinstance(outcomes[1], Exception), outcomes[1]
+    assert not isinstance(outcomes[0], BaseException), outcomes[0]
+    assert generated_token_ids(outcomes[0]) == alone
+    assert backend.scheduler.active == 0
+    assert generated_token_ids(await run(backend, good)) == alone  # and the worker goes on

@@ -14,7 +14,13 @@ from typing import Literal, cast
 
 import msgspec
 
-from services.api.wire.common import EFFORTS, JsonObject, reasoning_effort
+from services.api.wire.common import (
+    EFFORTS,
+    UNDECODABLE,
+    JsonObject,
+    reasoning_effort,
+    undecodable,
+)
 from services.api.wire.openai_responses.items import items_to_messages, validation_error
 from services.api.wire.openai_responses.tools import (
     HOSTED_TOOL_TYPES,
@@ -112,6 +118,8 @@ def parse_request(body: bytes) -> ResponsesRequest:
         raise validation_error(exc) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
+    except UNDECODABLE as exc:
+        raise undecodable(exc) from exc
     _check_ranges(req)
     if req.conversation is not None:
         raise InvalidRequest(
