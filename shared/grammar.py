@@ -13,6 +13,9 @@ that declares no syntax gets the bare JSON object under a forced choice, which t
 tool-call parser reads as a call (``tool_markers``). ``strict`` tools under ``auto`` on a model
 with a call marker token get free text or calls whose arguments follow their schema.
 
+llguidance is imported on first use: importing ``shared`` does no I/O (its import reads its
+package metadata).
+
 JSON is generated compact with single spaces (``{"a": 1, "b": [2, 3]}``): no free whitespace,
 so a small model cannot wander into endless newlines inside an object.
 """
@@ -20,13 +23,14 @@ so a small model cannot wander into endless newlines inside an object.
 from __future__ import annotations
 
 import json
-from typing import Literal
-
-from llguidance import LLMatcher
+from typing import TYPE_CHECKING, Literal
 
 from shared.errors import InvalidRequest
 from shared.jobs import Constraint, GenerateRequest, JsonObject, ToolDef
 from shared.model_card import ModelCard, ToolMarkers
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 __all__ = [
     "JSON_OPTIONS",
@@ -49,6 +53,12 @@ _ANY_OBJECT: JsonObject = {"type": "object"}
 _TEXT = r"TEXT: /(.|\n)*/"  # free text: special tokens (markers) never match it
 
 
+def _matcher() -> type[LLMatcher]:
+    from llguidance import LLMatcher  # here, not at import: see the module docstring
+
+    return LLMatcher
+
+
 def _lit(text: str) -> str:
     """A Lark string literal (JSON's escaping is Lark's)."""
     return json.dumps(text, ensure_ascii=False)
@@ -56,7 +66,7 @@ def _lit(text: str) -> str:
 
 def _schema_grammar(schema: JsonObject) -> str:
     try:
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+        return _matcher().grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)  # type: ignore[arg-type]
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"invalid JSON schema: {exc}") from exc
 
@@ -73,18 +83,18 @@ def constraint_grammar(constraint: Constraint) -> str:
     if kind == "json_schema" and constraint.json_schema is not None:
         return _schema_grammar(constraint.json_schema)
     if kind == "regex" and constraint.regex is not None:
-        return LLMatcher.grammar_from_regex(constraint.regex)
+        return _matcher().grammar_from_regex(constraint.regex)
     if kind == "choice" and constraint.choices:
-        return LLMatcher.grammar_from_lark(
+        return _matcher().grammar_from_lark(
             "start: " + " | ".join(_lit(c) for c in constraint.choices)
         )
     if kind == "grammar" and constraint.grammar is not None:
-        return LLMatcher.grammar_from_lark(constraint.grammar)
+        return _matcher().grammar_from_lark(constraint.grammar)
     raise InvalidRequest(f"a {kind} constraint needs its {kind.replace('_', ' ')}")
 
 
 def _validate(grammar: str, param: str, what: str) -> None:
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    is_error, messages = _matcher().validate_grammar_with_warnings(grammar)
     if is_error:
         raise InvalidRequest(f"{what}: {messages[0].strip()}", param=param)
 

@@ -2,8 +2,8 @@
 
 Owns the request Struct, validation (every failure is ``InvalidRequest`` with the offending
 ``param``, never FastAPI's 422), the mapping of parameters onto ``GenerateRequest`` (tools,
-tool_choice, sampling, reasoning, limits) and their echo into the ``Response`` skeleton. Input
-items become turns in ``items``. No I/O: the route loads stored history (for
+tool_choice, sampling, reasoning, limits, ``text.format``) and their echo into the ``Response``
+skeleton. Input items become turns in ``items``. No I/O: the route loads stored history (for
 ``previous_response_id``) and passes it in.
 """
 
@@ -15,15 +15,19 @@ from typing import Literal, cast
 import msgspec
 
 from services.api.wire.common import EFFORTS, JsonObject, reasoning_effort
+from services.api.wire.constraints import check_tool_schemas, openai_format
 from services.api.wire.openai_responses.items import items_to_messages, validation_error
 from services.api.wire.openai_responses.types import (
     FunctionTool,
     ReasoningConfig,
     Response,
+    TextConfig,
+    TextFormat,
     ToolChoiceFunction,
 )
 from shared.errors import InvalidRequest
 from shared.jobs import (
+    Constraint,
     GenerateRequest,
     Message,
     ReasoningControl,
@@ -50,12 +54,8 @@ class _Reasoning(msgspec.Struct, kw_only=True):
     generate_summary: str | None = None  # deprecated alias of summary
 
 
-class _TextFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"
-
-
 class _Text(msgspec.Struct, kw_only=True):
-    format: _TextFormat | None = None
+    format: JsonObject | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -118,16 +118,21 @@ def parse_request(body: bytes) -> ResponsesRequest:
             "/v1/responses/{id}?stream=true",
             param="stream",
         )
-    fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        raise InvalidRequest(
-            f"text.format type '{fmt.type}' is not supported: this server does not implement "
-            "structured output (constrained decoding); use type 'text'",
-            param="text.format",
-        )
+    _constraint(req)  # a schema that cannot compile is rejected before anything is stored
     if not req.input and req.previous_response_id is None and not req.instructions:
         raise InvalidRequest("'input' is required", param="input")
     return req
+
+
+def _constraint(req: ResponsesRequest) -> Constraint | None:
+    return openai_format(req.text.format if req.text else None, "text.format", nested=False)
+
+
+def _text_config(req: ResponsesRequest) -> TextConfig:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or _constraint(req) is None:
+        return TextConfig()
+    return TextConfig(format=msgspec.convert(fmt, TextFormat))
 
 
 def _check_ranges(req: ResponsesRequest) -> None:
@@ -226,6 +231,7 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
         reasoning=ReasoningConfig(effort=effort, summary=summary),
         store=req.store is not False,
         temperature=req.temperature,
+        text=_text_config(req),
         tool_choice=choice,
         tools=tools,
         top_p=req.top_p,
@@ -284,16 +290,20 @@ def build_job(
         tool_choice = ToolChoice(mode=choice)
     system = [Message(role="system", content=[TextPart(text=req.instructions or "")])]
     effort = req.reasoning.effort if req.reasoning else None
+    defs = [
+        ToolDef(
+            name=t.name, description=t.description, parameters=t.parameters, strict=bool(t.strict)
+        )
+        for t in visible_tools
+    ]
+    check_tool_schemas(defs, tool_choice, lambda i: f"tools[{i}].parameters")
     logprobs = _LOGPROBS_INCLUDE in (req.include or [])
     return GenerateRequest(
         request_id=request_id,
         model=req.model,
         origin="openai_responses",
         messages=[*(system if req.instructions else []), *conversation],
-        tools=[
-            ToolDef(name=t.name, description=t.description, parameters=t.parameters)
-            for t in visible_tools
-        ],
+        tools=defs,
         tool_choice=tool_choice,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         sampling=SamplingParams(
@@ -303,6 +313,7 @@ def build_job(
             top_logprobs=(req.top_logprobs or 0) if logprobs else 0,
         ),
         max_tokens=req.max_output_tokens,
+        constraint=_constraint(req),
         reasoning=ReasoningControl(
             effort=EFFORTS[effort] if effort else None, visible=True, explicit=effort is not None
         ),
