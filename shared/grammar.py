@@ -96,7 +96,7 @@ def constraint_grammar(constraint: Constraint) -> str:
 def _validate(grammar: str, param: str, what: str) -> None:
     is_error, messages = _matcher().validate_grammar_with_warnings(grammar)
     if is_error:
-        raise InvalidRequest(f"{what}: {messages[0].strip()}", param=param)
+        raise InvalidRequest(f"{param}: {what}: {messages[0].strip()}", param=param)
 
 
 def check_constraint(constraint: Constraint, param: str) -> None:
@@ -106,11 +106,11 @@ def check_constraint(constraint: Constraint, param: str) -> None:
         InvalidRequest: empty choices, an invalid schema/regex/grammar or an unsupported keyword.
     """
     if constraint.kind == "choice" and not constraint.choices:
-        raise InvalidRequest("choice must list at least one option", param=param)
+        raise InvalidRequest(f"{param}: choice must list at least one option", param=param)
     try:
         grammar = constraint_grammar(constraint)
     except InvalidRequest as exc:
-        raise InvalidRequest(exc.message, param=param) from exc
+        raise InvalidRequest(f"{param}: {exc.message}", param=param) from exc
     what = {"json_schema": "invalid JSON schema", "regex": "invalid regex"}
     _validate(grammar, param, what.get(constraint.kind, f"invalid {constraint.kind}"))
 
