@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
@@ -36,7 +38,7 @@ from shared.grammar import job_grammar
 from shared.jobs import Job
 from shared.model_card import ModelCard, ReasoningMarkers
 
-__all__ = ["Constrainer", "ConstraintState", "PendingMasks"]
+__all__ = ["Constrainer", "ConstraintState", "MaskStats", "PendingMasks"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,20 @@ CLOSED_TAIL = 8  # prompt tokens searched for a reasoning block the template clo
 CACHE_SIZE = 64  # compiled grammars kept (a cached one costs a deep copy, not a compile)
 
 PendingMasks = Future[tuple[list[int], torch.Tensor]]  # constrained rows, their bitmasks
+
+
+@dataclass
+class MaskStats:
+    """Where constrained steps spend their time (seconds, summed; ``ops/bench`` reads them).
+
+    ``fill_s`` runs beside the forward pass; ``wait_s`` (masks not ready when the logits were)
+    and ``apply_s`` (unpacking and masking) are what a constrained step adds to its critical path.
+    """
+
+    steps: int = 0
+    fill_s: float = 0.0
+    wait_s: float = 0.0
+    apply_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -106,6 +122,7 @@ class Constrainer:
         self._words = (vocab + 31) // 32
         self._masks = torch.full((max_batch, self._words), -1, dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
+        self.stats = MaskStats()
 
     def _matcher(self, grammar: str) -> LLMatcher:
         with self._lock:
@@ -161,6 +178,7 @@ class Constrainer:
     def _fill(
         self, rows: list[int], states: list[ConstraintState]
     ) -> tuple[list[int], torch.Tensor]:
+        began = time.perf_counter()
         masks = self._masks[: len(rows)]
         assert self._executor is not None
         pairs = [(s.matcher, k) for k, s in enumerate(states)]
@@ -169,19 +187,46 @@ class Constrainer:
             open_id = s.open_allowed()
             if open_id is not None:
                 masks[k, open_id // 32] |= 1 << (open_id % 32)
+        self.stats.fill_s += time.perf_counter() - began
         return rows, masks
 
     def apply(self, logits: torch.Tensor, pending: PendingMasks) -> torch.Tensor:
         """Wait for the masks and return ``logits`` (B, V) with disallowed tokens at -inf."""
+        began = time.perf_counter()
         rows, masks = pending.result()
+        ready = time.perf_counter()
         vocab = logits.shape[-1]
-        bits = masks.to(logits.device, non_blocking=True).unsqueeze(-1)
-        allowed = (bits >> self._shifts.to(logits.device)) & 1  # (R, words, 32): bit k of word w
-        allowed = allowed.view(len(rows), -1)[:, :vocab].bool()
-        if vocab > self.vocab:  # a padded head: ids past the tokenizer are never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))  # a fresh output
+        n = min(vocab, self.vocab)  # ids past the tokenizer (a padded head) are never allowed
+        on_cpu = logits.device.type == "cpu"
+        if on_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
+            # numpy unpacks and masks in place ~5x faster than torch's shift, compare and
+            # masked_fill (21 vs ~110 us for one SmolLM2 row, 0.28 vs 1.4 ms for 16).
+            unpacked = np.unpackbits(
+                masks.numpy().view(np.uint8), axis=1, count=n, bitorder="little"
+            )
+            allowed = unpacked.view(np.bool_)
+            array = logits.numpy()
+            if rows == list(range(logits.shape[0])):  # every row constrained: one call
+                np.copyto(array[:, :n], -np.inf, where=~allowed)
+            else:
+                for k, row in enumerate(rows):
+                    np.copyto(array[row, :n], -np.inf, where=~allowed[k])
+        else:
+            words = masks.to(logits.device, non_blocking=True).unsqueeze(-1)
+            bits = (words >> self._shifts.to(logits.device)) & 1  # (R, words, 32)
+            blocked = bits.reshape(len(rows), -1)[:, :n] == 0
+            if rows == list(range(logits.shape[0])):
+                logits[:, :n].masked_fill_(blocked, float("-inf"))
+            else:
+                for k, row in enumerate(rows):
+                    logits[row, :n].masked_fill_(blocked[k], float("-inf"))
+        if vocab > n:
+            logits[rows, n:] = float("-inf")
+        # In place: the logits are this step's fresh output, read by nothing else.
+        stats = self.stats
+        stats.steps += 1
+        stats.wait_s += ready - began
+        stats.apply_s += time.perf_counter() - ready
         return logits
 
     def close(self) -> None:

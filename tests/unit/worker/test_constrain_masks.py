@@ -82,3 +82,14 @@ def test_reasoning_marker_only_where_an_answer_may_open_with_it() -> None:
     for token in TK.encode("Oslo", add_special_tokens=False).ids:
         free_to_think.feed(token)
     assert free_to_think.complete and not free_to_think.broken
+
+
+def test_the_torch_path_cuda_takes_equals_the_numpy_path() -> None:
+    """bf16 logits take the shift-and-mask path that CUDA tensors take; same verdicts."""
+    c = constrainer()
+    logits = torch.randn(3, V)
+    via_numpy = c.apply(logits.clone(), c.begin([state(c), None, state(c)]))  # type: ignore[arg-type]
+    via_torch = c.apply(logits.bfloat16(), c.begin([state(c), None, state(c)]))  # type: ignore[arg-type]
+    assert torch.equal(torch.isfinite(via_torch), torch.isfinite(via_numpy))
+    only_first = c.apply(logits.bfloat16(), c.begin([state(c), None, None]))  # type: ignore[arg-type]
+    assert torch.isfinite(only_first[1:]).all()
