@@ -6,9 +6,10 @@ decoded free (greedy, EOS ignored) and under a JSON schema that cannot end befor
 numbers and short strings, the expensive mix for a mask), alternating free/constrained
 ``--rounds`` times so both see the same machine load; every stream generates exactly
 ``--tokens`` tokens. Decode rate = streams / the median decode step while every stream of the
-batch was decoding. Time to first token is measured for one stream, free, with a schema never seen
-(compiled) and with the same schema again (cached). Prints one JSON object per measurement and
-the load average around it: the machine is shared, so read the ratios, measured in one run.
+batch was decoding. Time to first token is measured for one stream, free, with a schema never
+seen (compiled) and with the same schema again (cached), and the compile and first mask alone.
+Prints one JSON object per measurement and the load average around it: the machine is shared,
+so read the ratios, measured in one run.
 
     .venv/bin/python ops/bench/constrained.py --threads 2 --tokens 96 --batches 1 16
 """
@@ -144,6 +145,27 @@ async def bench(args: argparse.Namespace) -> None:
             rows["free"].append(await ttft(b, one))
             rows["new_schema"].append(await ttft(b, constrained(one, nonce)))
             rows["cached_schema"].append(await ttft(b, constrained(one, nonce)))
+        compile_ms: dict[str, list[float]] = {"new": [], "cached": [], "first_mask_new": []}
+        for _ in range(args.rounds):
+            nonce = uuid.uuid4().hex[:8]
+            for kind in ("new", "cached"):
+                t0 = time.perf_counter()
+                state = b.constrainer.state(
+                    constrained(one, nonce), b.card, in_reasoning=False, resume=[]
+                )
+                compile_ms[kind].append(1000 * (time.perf_counter() - t0))
+                if kind == "new":
+                    t0 = time.perf_counter()
+                    pending = b.constrainer.begin([state])
+                    assert pending is not None
+                    pending.result()
+                    compile_ms["first_mask_new"].append(1000 * (time.perf_counter() - t0))
+        emit(
+            {
+                "metric": "schema_ms",
+                **{k: round(statistics.median(v), 3) for k, v in compile_ms.items()},
+            }
+        )
         emit(
             {
                 "metric": "ttft_ms",
