@@ -121,6 +121,8 @@ async def test_chat_completions_structured_outputs(
             assert valid(message.content, CITY_SCHEMA)
             assert done.choices[0].finish_reason == "stop"
             await checked(redis, done.id)
+            again = await client.chat.completions.retrieve(done.id)  # replayed from the log
+            assert again.choices[0].message.content == message.content
         async with client.chat.completions.stream(
             **common, temperature=0.8, seed=5, response_format=City
         ) as stream:  # type: ignore[arg-type]

@@ -19,8 +19,10 @@ from services.api.state import get_state
 from services.api.streaming import sse_response
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire import sse
+from services.api.wire.constraints import check_tool_schemas
 from shared.errors import InvalidRequest
 from shared.events import AnyEvent
+from shared.grammar import check_constraint
 from shared.jobs import GenerateRequest
 
 __all__ = ["NativeProjector", "router"]
@@ -61,11 +63,15 @@ def _parse_job(body: bytes, rid: str) -> GenerateRequest:
     raw["request_id"] = rid
     raw["origin"] = "native"
     try:
-        return msgspec.convert(raw, GenerateRequest)
+        job = msgspec.convert(raw, GenerateRequest)
     except msgspec.ValidationError as exc:
         message = str(exc)
         _, _, path = message.partition(" - at `$.")
         raise InvalidRequest(message, param=path.rstrip("`") or None) from exc
+    if job.constraint is not None:
+        check_constraint(job.constraint, "constraint")
+    check_tool_schemas(job.tools, job.tool_choice, lambda i: f"tools[{i}].parameters")
+    return job
 
 
 @router.post("/v1/requests")
