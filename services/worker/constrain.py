@@ -228,7 +228,3 @@ class Constrainer:
         stats.wait_s += ready - began
         stats.apply_s += time.perf_counter() - ready
         return logits
-
-    def close(self) -> None:
-        """Stop the mask thread."""
-        self._pool.shutdown(wait=False)
