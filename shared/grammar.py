@@ -120,17 +120,23 @@ def check_schema(schema: JsonObject, param: str) -> None:
     check_constraint(Constraint(kind="json_schema", json_schema=schema or _ANY_OBJECT), param)
 
 
-def custom_format_constraint(syntax: Literal["lark", "regex"], definition: str) -> Constraint:
-    """The constraint of a grammar given as a ``lark`` or ``regex`` definition (custom tools).
+def custom_format_constraint(
+    syntax: Literal["lark", "regex"], definition: str, param: str = "format"
+) -> Constraint:
+    """The constraint of a grammar given as a ``lark`` or ``regex`` definition.
+
+    For tools whose input is free text in a grammar (OpenAI ``custom`` tools'
+    ``format: {type: "grammar", syntax, definition}``): the result goes into
+    ``GenerateRequest.constraint`` like any other.
 
     Raises:
-        InvalidRequest: the definition does not compile (``param`` is left to the caller).
+        InvalidRequest: the definition does not compile (naming ``param``).
     """
     if syntax == "regex":
         constraint = Constraint(kind="regex", regex=definition)
     else:
         constraint = Constraint(kind="grammar", grammar=definition)
-    check_constraint(constraint, "format")
+    check_constraint(constraint, param)
     return constraint
 
 

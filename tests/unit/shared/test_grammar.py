@@ -150,6 +150,7 @@ def test_tool_schemas_and_custom_formats() -> None:
     assert lark.kind == "grammar" and accepts(constraint_grammar(lark), ids("abbb"))
     regex = custom_format_constraint("regex", r"\d{3}")
     assert regex == Constraint(kind="regex", regex=r"\d{3}")
-    with pytest.raises(InvalidRequest):
-        custom_format_constraint("regex", "(")
+    with pytest.raises(InvalidRequest) as raised:
+        custom_format_constraint("regex", "(", "tools[1].format")
+    assert raised.value.param == "tools[1].format"
     assert json.loads(json.dumps(lark.grammar)) == 'start: "a" "b"+'
