@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 __all__ = [
+    "Constraint",
     "ContentPart",
     "GenerateRequest",
     "Job",
@@ -79,6 +80,7 @@ class ToolDef(msgspec.Struct, frozen=True, kw_only=True):
     # "grammar", "syntax": "lark", "definition": ...}``: the hook for constrained decoding of
     # the call's ``input`` argument. None for JSON-schema tools and unconstrained text.
     input_format: JsonObject | None = None
+    strict: bool = False  # the arguments must validate against ``parameters`` (constrained)
 
 
 class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,6 +88,28 @@ class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
 
     mode: Literal["auto", "none", "required", "named"] = "auto"
     name: str | None = None  # mode == "named"
+
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+class Constraint(msgspec.Struct, frozen=True, kw_only=True):
+    """What the answer text must match, whichever wire parameter asked for it.
+
+    Exactly one of the payload fields is set, the one ``kind`` names: ``json_schema`` (a JSON
+    Schema), ``json_object`` (any JSON object; no payload), ``regex`` (the whole answer matches),
+    ``choice`` (the answer is one of these strings) or ``grammar`` (a Lark grammar, llguidance's
+    dialect). It is stored with the job, so a replayed or resumed request decodes under the same
+    constraint. Forced tool calls are not a ``Constraint``: they follow from ``tools`` and
+    ``tool_choice`` (and ``ToolDef.strict``) and the model's own tool-call syntax.
+    """
+
+    kind: ConstraintKind
+    json_schema: JsonObject | None = None
+    regex: str | None = None
+    choices: list[str] = []
+    grammar: str | None = None
+    name: str | None = None  # the schema's name where the wire format has one
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +159,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] = []
     chat_template_kwargs: JsonObject = {}
     reasoning: ReasoningControl = ReasoningControl()
+    constraint: Constraint | None = None  # structured output (the answer after any reasoning)
     owner: str = ""  # hash of the API key that created the request ("" when auth is off)
     created: float = 0.0  # unix seconds, set by the API
     user: str | None = None

@@ -26,6 +26,7 @@ from typing import Any, Protocol, cast
 import torch
 from tokenizers import Tokenizer
 
+from services.worker.constrain import Constrainer, ConstraintState, PendingMasks
 from services.worker.kv_cache import KVCache, build_batch, common_prefix
 from services.worker.models.llama import LlamaConfig
 from services.worker.sampling import (
@@ -85,6 +86,7 @@ class SequenceState:
     cancelled: bool = False
     done: bool = False
     reserved: int = 0  # tokens held against the scheduler's budget while admitted
+    constraint: ConstraintState | None = None  # structured output / forced tool call
 
     @property
     def reservation(self) -> int:
@@ -106,12 +108,15 @@ class Scheduler:
         dtype: torch.dtype,
         make_decoder: DecoderFactory,
         max_cached_tokens: int | None = None,
+        constrainer: Constrainer | None = None,
     ) -> None:
         """Allocate the cache; call ``start`` to run the loop.
 
         ``max_cached_tokens`` bounds the sum of the running sequences' reservations
         (None: ``max_batch`` full contexts, i.e. only the slots limit admission).
+        ``constrainer`` fills the token masks of sequences that carry a ``constraint``.
         """
+        self.constrainer = constrainer
         cfg = cast(LlamaConfig, model.config)  # LlamaModel or a test double with its config
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
         self.device, self.max_batch, self.make_decoder = device, max_batch, make_decoder
@@ -260,9 +265,11 @@ class Scheduler:
         self.cache.reserve(end)
         batch = build_batch([seq.slot], [seq.kv_len], len(chunk), self.device)
         idx = torch.tensor([chunk], dtype=torch.long, device=self.device)
+        last = end == len(seq.tokens)
+        pending = self._begin_masks([seq]) if last else None  # filled during the forward
         logits = self.model(idx, batch, self.cache, n_logits=1)  # (1, 1, V)
         seq.kv_len = end
-        if end < len(seq.tokens):
+        if not last:
             return
         seq.decoder = self.make_decoder(
             seq.job, len(seq.prompt), seq.cached, seq.starts_in_reasoning
@@ -280,7 +287,7 @@ class Scheduler:
             cached_tokens=seq.cached,
             attempt=seq.attempt,
         )
-        self._advance(seq, logits[0, -1], [start])
+        self._advance(seq, self._masked(logits[:, -1], pending)[0], [start])
 
     def _decode(self, seqs: list[SequenceState]) -> None:
         began = time.perf_counter()
@@ -289,10 +296,11 @@ class Scheduler:
         idx = torch.tensor(
             [[s.tokens[s.kv_len]] for s in seqs], dtype=torch.long, device=self.device
         )
+        pending = self._begin_masks(seqs)  # step N's masks, filled while the model runs step N
         logits = self.model(idx, batch, self.cache, n_logits=1)[:, -1]  # (B, V)
         for seq in seqs:
             seq.kv_len += 1
-        rows = logits.cpu()
+        rows = self._masked(logits, pending).cpu()
         for i, seq in enumerate(seqs):
             self._confined(seq, self._advance, seq, rows[i], [])
         if self.on_step is not None:
@@ -310,6 +318,16 @@ class Scheduler:
 
     # -- token choice -----------------------------------------------------------------------
 
+    def _begin_masks(self, seqs: list[SequenceState]) -> PendingMasks | None:
+        if self.constrainer is None:
+            return None
+        return self.constrainer.begin([s.constraint for s in seqs])
+
+    def _masked(self, logits: torch.Tensor, pending: PendingMasks | None) -> torch.Tensor:
+        if pending is None or self.constrainer is None:
+            return logits
+        return self.constrainer.apply(logits, pending)
+
     def _count(self, seq: SequenceState, token: int) -> None:
         if seq.counts is not None:
             seq.counts[token] += 1
@@ -325,7 +343,8 @@ class Scheduler:
         cfg = seq.sampling
         if seq.counts is not None and seq.seen is not None:
             logits = apply_penalties(logits, seq.counts, seq.seen, cfg)
-        if seq.job.ignore_eos or seq.generated < seq.job.min_tokens:
+        free = seq.constraint is None or not seq.constraint.active  # a grammar decides the end
+        if free and (seq.job.ignore_eos or seq.generated < seq.job.min_tokens):
             logits = mask_tokens(logits, [i for i in self.eos_ids if i < logits.numel()])
         return sample_next_token(logits, cfg, seq.generator)
 
@@ -353,6 +372,8 @@ class Scheduler:
         token = self._choose(seq, logits)
         logprob = self._logprob(seq, logits, token) if seq.job.sampling.logprobs else None
         events.extend(seq.decoder.feed(token, logprob))
+        if seq.constraint is not None:
+            seq.constraint.feed(token)
         seq.tokens.append(token)
         seq.generated += 1
         self._count(seq, token)
@@ -361,6 +382,8 @@ class Scheduler:
             seq.generated >= seq.max_new or len(seq.tokens) >= self.context_length
         ):
             reason = "max_tokens"
+        if reason is None and seq.constraint is not None and seq.constraint.complete:
+            reason = "end_turn"  # the grammar allows nothing but the end: spare the EOS step
         if reason is not None:
             events.extend(seq.decoder.finish(reason))
             self._release(seq)  # before emitting: a caller that saw Finish sees a free slot

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from services.worker.constrain import Constrainer
 from services.worker.loaders import LoadedModel, load_model
 from services.worker.sampling import SamplingConfig
 from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, SequenceState
@@ -95,6 +96,12 @@ class TorchBackend:
             context=int(cfg.context_length),
             slots=max_batch,
         )
+        self.constrainer = Constrainer(
+            loaded.card.tokenizer_json,
+            vocab=int(cfg.vocab_size),
+            eos_ids=list(loaded.card.eos_token_ids),
+            max_batch=max_batch,
+        )
         self.scheduler = Scheduler(
             loaded.model,
             loaded.tokenizer,
@@ -104,6 +111,7 @@ class TorchBackend:
             dtype=loaded.dtype,
             make_decoder=make_decoder or self._output_decoder,
             max_cached_tokens=budget,
+            constrainer=self.constrainer,
         )
 
     def _output_decoder(
@@ -216,6 +224,14 @@ class TorchBackend:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         seq = self._sequence(job, resume_token_ids, attempt, emit, on_freed)
+        # Compiling a grammar can take milliseconds: here, not on the decode thread.
+        seq.constraint = await asyncio.to_thread(
+            self.constrainer.state,
+            job,
+            self.card,
+            in_reasoning=seq.starts_in_reasoning,
+            resume=seq.resume,
+        )
         self.scheduler.submit(seq)
         finished = False
         try:

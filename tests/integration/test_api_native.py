@@ -327,3 +327,20 @@ async def test_undecodable_entry_ends_stream_in_band(
     assert isinstance(events[-1], Error) and events[-1].kind == "internal"
     check_stream(events)
     assert await wait_for_key(redis, keys.cancel(rid))  # nobody can read the rest: stop it
+
+
+async def test_constraint_is_stored_with_the_job_and_a_bad_one_is_400(
+    api: str, redis: aioredis.Redis, tiny_model: ModelCard
+) -> None:
+    """The constraint travels in the stored job (replay and failover decode under it)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    constraint = {"kind": "json_schema", "json_schema": schema}
+    async with httpx.AsyncClient(base_url=api) as client:
+        rid = await create(client, {**JOB, "constraint": constraint})
+        bad = {**JOB, "constraint": {"kind": "regex", "regex": "(unclosed"}}
+        response = await client.post("/v1/requests", json=bad)
+    job = decode_job(await redis.hget(keys.request(rid), "job"))  # type: ignore[misc]
+    assert job.constraint is not None and job.constraint.json_schema == schema
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "constraint"
+    assert await redis.zcard(keys.queue("tiny-test")) == 1  # only the good one was enqueued

@@ -196,7 +196,12 @@ async def no_request_stored(redis: aioredis.Redis) -> bool:
     ("body", "param"),
     [
         ({"n": 2}, "n"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"temperature": "hot"}, "temperature"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
         ({"tool_choice": "required"}, "tool_choice"),

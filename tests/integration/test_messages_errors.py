@@ -75,6 +75,15 @@ async def http(api: str) -> AsyncIterator[httpx.AsyncClient]:
             },
             "requires tools",
         ),
+        (
+            {
+                "model": "tiny-test",
+                "max_tokens": 5,
+                "messages": MESSAGES,
+                "output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}},
+            },
+            "output_config.format.schema",
+        ),
     ],
 )
 async def test_bad_input_is_an_anthropic_400_and_nothing_is_enqueued(

@@ -203,7 +203,10 @@ async def nothing_enqueued(redis: aioredis.Redis) -> bool:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}}, "text.format"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "x"}}}},
+            "text.format.schema",
+        ),
         ({"tools": [{"type": "web_searcher"}]}, "tools[0].type"),
         (
             {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},

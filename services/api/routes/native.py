@@ -20,8 +20,10 @@ from services.api.streaming import sse_response
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire import sse
 from services.api.wire.common import UNDECODABLE, check_range, undecodable
+from services.api.wire.constraints import check_tool_schemas
 from shared.errors import InvalidRequest
 from shared.events import AnyEvent
+from shared.grammar import check_constraint
 from shared.jobs import GenerateRequest, SamplingParams
 
 __all__ = ["NativeProjector", "router"]
@@ -72,6 +74,9 @@ def _parse_job(body: bytes, rid: str) -> GenerateRequest:
     _check_sampling(job.sampling)
     if job.min_tokens < 0:
         raise InvalidRequest("min_tokens must not be negative", param="min_tokens")
+    if job.constraint is not None:
+        check_constraint(job.constraint, "constraint")
+    check_tool_schemas(job.tools, job.tool_choice, lambda i: f"tools[{i}].parameters")
     return job
 
 

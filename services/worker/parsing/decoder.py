@@ -17,7 +17,7 @@ or losing text (call ids are a hash of request id and index, so they come out th
 
 Stop sequences apply to answer text only (never to reasoning or tool-call arguments), and tool
 calls are parsed only when the job declares tools, ``tool_choice`` is not ``none`` and the model
-card names a tool-call style.
+card names a tool-call style (or the choice is forced: then the grammar writes a bare JSON call).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from shared.events import (
     ToolCallStart,
     Usage,
 )
+from shared.grammar import tool_markers
 from shared.jobs import GenerateRequest
 from shared.model_card import ModelCard
 
@@ -105,7 +106,7 @@ class OutputDecoder:
             card.reasoning, inside=starts_in_reasoning, budget=reasoning_budget(job.reasoning)
         )
         use_tools = bool(job.tools) and job.tool_choice.mode != "none"
-        self._tools = card.tools if use_tools else None
+        self._tools = tool_markers(card.tools, job) if use_tools else None
         named = job.tool_choice.name if job.tool_choice.mode == "named" else None
         self._tool_names = {named} if named else {t.name for t in job.tools}
         self._ledger = TokenLedger()

@@ -308,9 +308,22 @@ def test_max_tokens_is_required_for_create_but_not_for_count_tokens() -> None:
             "server tool",
         ),
         (
-            body(output_config={"format": {"type": "json_schema", "schema": {}}}),
-            "output_config.format",
-            "not supported",
+            body(output_config={"format": {"type": "json_schema", "schema": {"not": {}}}}),
+            "output_config.format.schema",
+            "Unimplemented keys",
+        ),
+        (
+            body(output_config={"format": {"type": "json_object"}}),
+            "output_config.format.type",
+            "json_schema",
+        ),
+        (
+            body(
+                tools=[{"name": "f", "input_schema": {"type": "strnig"}}],
+                tool_choice={"type": "any"},
+            ),
+            "tools[0].input_schema",
+            "strnig",
         ),
     ],
 )

@@ -243,8 +243,8 @@ def test_skeleton_echoes_request_parameters() -> None:
         ({"model": "m", "input": 5}, "input", "Expected"),
         (
             {"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}},
-            "text.format",
-            "json_schema",
+            "text.format.schema",
+            "required",
         ),
         (
             {"model": "m", "input": "x", "tools": [{"type": "web_searcher"}]},

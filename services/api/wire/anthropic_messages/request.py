@@ -33,8 +33,10 @@ from services.api.wire.anthropic_messages.request_types import (
     ToolUseBlock,
 )
 from services.api.wire.common import decode_body, error_location, reasoning_effort
+from services.api.wire.constraints import anthropic_format, check_tool_schemas
 from shared.errors import InvalidRequest
 from shared.jobs import (
+    Constraint,
     GenerateRequest,
     Message,
     ReasoningControl,
@@ -118,12 +120,30 @@ def _validate(req: MessagesRequest) -> None:
                 "stop_sequences: each stop sequence must contain non-whitespace",
                 param=f"stop_sequences[{i}]",
             )
-    if req.output_config is not None and req.output_config.format is not None:
-        raise InvalidRequest(
-            "output_config.format: structured output is not supported by this server",
-            param="output_config.format",
-        )
+    _constraint(req)  # a schema that cannot compile is rejected before anything is enqueued
     _validate_tools(req)
+    check_tool_schemas(
+        _tools(req), _tool_choice(req.tool_choice), lambda i: f"tools[{i}].input_schema"
+    )
+
+
+def _constraint(req: MessagesRequest) -> Constraint | None:
+    if req.output_format is not None:
+        return anthropic_format(req.output_format, "output_format")
+    return anthropic_format(req.output_config and req.output_config.format, "output_config.format")
+
+
+def _tools(req: MessagesRequest) -> list[ToolDef]:
+    return [
+        ToolDef(
+            name=t.name,
+            description=t.description,
+            parameters=t.input_schema,
+            strict=bool(t.strict),
+        )
+        for t in req.tools or []
+        if _is_client_tool(t)
+    ]
 
 
 def _is_client_tool(tool: Tool) -> bool:
@@ -206,11 +226,7 @@ def build_job(
         model=req.model,
         origin="anthropic_messages",
         messages=_messages(req),
-        tools=[
-            ToolDef(name=t.name, description=t.description, parameters=t.input_schema)
-            for t in req.tools or []
-            if _is_client_tool(t)
-        ],
+        tools=_tools(req),
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
         sampling=SamplingParams(
@@ -221,6 +237,7 @@ def build_job(
         max_tokens=req.max_tokens,
         stop=list(req.stop_sequences or []),
         reasoning=_reasoning(req),
+        constraint=_constraint(req),
         owner=owner,
         created=created,
         user=metadata.user_id,

@@ -91,6 +91,7 @@ class Tool(msgspec.Struct, frozen=True):
     input_schema: JsonObject = {}
     description: str | None = None
     type: str | None = None
+    strict: bool | None = None  # the input must validate against input_schema (constrained)
 
 
 class ToolChoiceParam(msgspec.Struct, frozen=True):
@@ -113,7 +114,7 @@ class ThinkingParam(msgspec.Struct, frozen=True):
 
 
 class OutputConfig(msgspec.Struct, frozen=True):
-    """SDK 2.x ``output_config``: only ``effort`` is honoured."""
+    """SDK 2.x ``output_config``: ``effort`` and ``format`` (a JSON schema the answer follows)."""
 
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: JsonObject | None = None
@@ -141,5 +142,6 @@ class MessagesRequest(msgspec.Struct, frozen=True):
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfig | None = None
+    output_format: JsonObject | None = None  # the beta spelling of output_config.format
     metadata: Metadata | None = None
     stream: bool = False

@@ -17,8 +17,13 @@ from services.api.wire.common import (
     error_location,
     reasoning_effort,
 )
+from services.api.wire.constraints import (
+    chat_constraint,
+    check_tool_schemas,
+)
 from shared.errors import InvalidRequest
 from shared.jobs import (
+    Constraint,
     GenerateRequest,
     Message,
     ReasoningControl,
@@ -68,6 +73,7 @@ class _FunctionDef(msgspec.Struct, forbid_unknown_fields=False):
     name: str
     description: str | None = None
     parameters: JsonObject | None = None
+    strict: bool | None = None
 
 
 class _Tool(msgspec.Struct, forbid_unknown_fields=False):
@@ -78,10 +84,6 @@ class _Tool(msgspec.Struct, forbid_unknown_fields=False):
 
 class _StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
     include_usage: bool | None = None
-
-
-class _ResponseFormat(msgspec.Struct, forbid_unknown_fields=False):
-    type: str
 
 
 class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
@@ -106,7 +108,12 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
     n: int | None = None
-    response_format: _ResponseFormat | None = None
+    response_format: JsonObject | None = None
+    structured_outputs: JsonObject | None = None  # vLLM's; and its older guided_* spellings
+    guided_json: JsonObject | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     tools: list[_Tool] | None = None
     tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool | None = None
@@ -153,20 +160,23 @@ def parse_request(
 
     Raises:
         InvalidRequest: the body is not valid JSON, a field has the wrong type or value, or it
-            asks for something sluice does not implement (``n > 1``, structured output).
+            asks for something sluice does not implement (``n > 1``), or a structured-output
+            schema, regex, choice list or grammar that does not compile.
     """
     req = decode_body(_DECODER, body, _invalid)
     _check_unsupported(req)
     include_reasoning = bool(req.include_reasoning) or include_reasoning_header
     kwargs = dict(req.chat_template_kwargs or {})
     tools, ignored = _tools(req.tools)
+    tool_choice = _tool_choice(req.tool_choice, tools, ignored)
+    check_tool_schemas(tools, tool_choice, lambda i: f"tools[{i}].function.parameters")
     job = GenerateRequest(
         request_id=request_id,
         model=req.model,
         origin="openai_chat",
         messages=_messages(req.messages),
         tools=tools,
-        tool_choice=_tool_choice(req.tool_choice, tools, ignored),
+        tool_choice=tool_choice,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         sampling=_sampling(req),
         max_tokens=_max_tokens(req),
@@ -175,6 +185,7 @@ def parse_request(
         stop=_stop(req.stop),
         chat_template_kwargs=kwargs,
         reasoning=_reasoning(req.reasoning_effort, include_reasoning, kwargs),
+        constraint=_constraint(req),
         user=req.user,
         metadata=dict(req.metadata or {}),
     )
@@ -195,12 +206,6 @@ def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
 def _check_unsupported(req: ChatRequest) -> None:
     if req.n is not None and req.n != 1:
         raise InvalidRequest("n must be 1: sluice returns one choice per request", param="n")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequest(
-            f"response_format type {req.response_format.type!r} is not supported: sluice has "
-            "no constrained decoding; ask for JSON in the prompt instead",
-            param="response_format",
-        )
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", param="logit_bias")
     if not req.messages:
@@ -294,7 +299,12 @@ def _tools(raw: list[_Tool] | None) -> tuple[list[ToolDef], list[str]]:
             )
         fn = tool.function
         out.append(
-            ToolDef(name=fn.name, description=fn.description, parameters=fn.parameters or {})
+            ToolDef(
+                name=fn.name,
+                description=fn.description,
+                parameters=fn.parameters or {},
+                strict=bool(fn.strict),
+            )
         )
     return out, ignored
 
@@ -330,6 +340,12 @@ def _tool_choice(
     if name not in names:
         raise InvalidRequest(f"tool_choice names unknown tool {name!r}", param="tool_choice")
     return ToolChoice(mode="named", name=name)
+
+
+def _constraint(req: ChatRequest) -> Constraint | None:
+    guided: dict[str, object] = {"json": req.guided_json, "regex": req.guided_regex}
+    guided |= {"choice": req.guided_choice, "grammar": req.guided_grammar}
+    return chat_constraint(req.response_format, req.structured_outputs, guided)
 
 
 def _sampling(req: ChatRequest) -> SamplingParams:

@@ -2,8 +2,8 @@
 
 Owns the request Struct, validation (every failure is ``InvalidRequest`` with the offending
 ``param``, never FastAPI's 422), the mapping of parameters onto ``GenerateRequest`` (tools,
-tool_choice, sampling, reasoning, limits) and their echo into the ``Response`` skeleton. Input
-items become turns in ``items``. No I/O: the route loads stored history (for
+tool_choice, sampling, reasoning, limits, ``text.format``) and their echo into the ``Response``
+skeleton. Input items become turns in ``items``. No I/O: the route loads stored history (for
 ``previous_response_id``) and passes it in.
 """
 
@@ -21,6 +21,7 @@ from services.api.wire.common import (
     reasoning_effort,
     undecodable,
 )
+from services.api.wire.constraints import check_tool_schemas, openai_format
 from services.api.wire.openai_responses.items import items_to_messages, validation_error
 from services.api.wire.openai_responses.tools import (
     HOSTED_TOOL_TYPES,
@@ -28,10 +29,16 @@ from services.api.wire.openai_responses.tools import (
     exposed_name,
     parse_tools,
 )
-from services.api.wire.openai_responses.types import ReasoningConfig, Response, TextConfig
+from services.api.wire.openai_responses.types import (
+    ReasoningConfig,
+    Response,
+    TextConfig,
+    TextFormat,
+)
 from services.api.wire.reasoning_tokens import ReasoningSigner
 from shared.errors import InvalidRequest
 from shared.jobs import (
+    Constraint,
     GenerateRequest,
     Message,
     ReasoningControl,
@@ -59,12 +66,8 @@ class _Reasoning(msgspec.Struct, kw_only=True):
     generate_summary: str | None = None  # deprecated alias of summary
 
 
-class _TextFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"
-
-
 class _Text(msgspec.Struct, kw_only=True):
-    format: _TextFormat | None = None
+    format: JsonObject | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
@@ -136,16 +139,23 @@ def parse_request(body: bytes) -> ResponsesRequest:
             "/v1/responses/{id}?stream=true",
             param="stream",
         )
-    fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        raise InvalidRequest(
-            f"text.format type '{fmt.type}' is not supported: this server does not implement "
-            "structured output (constrained decoding); use type 'text'",
-            param="text.format",
-        )
+    _constraint(req)  # a schema that cannot compile is rejected before anything is stored
     if not req.input and req.previous_response_id is None and not req.instructions:
         raise InvalidRequest("'input' is required", param="input")
     return req
+
+
+def _constraint(req: ResponsesRequest) -> Constraint | None:
+    return openai_format(req.text.format if req.text else None, "text.format", nested=False)
+
+
+def _text_config(req: ResponsesRequest) -> TextConfig:
+    """The echoed ``text``: the structured-output format when one applies, and the verbosity."""
+    verbosity = (req.text.verbosity if req.text else None) or "medium"
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or _constraint(req) is None:
+        return TextConfig(verbosity=verbosity)
+    return TextConfig(format=msgspec.convert(fmt, TextFormat), verbosity=verbosity)
 
 
 def _check_ranges(req: ResponsesRequest) -> None:
@@ -270,7 +280,7 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
         reasoning=ReasoningConfig(effort=effort, summary=summary),
         store=req.store is not False,
         temperature=1.0 if req.temperature is None else req.temperature,
-        text=TextConfig(verbosity=(req.text.verbosity if req.text else None) or "medium"),
+        text=_text_config(req),
         tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
         tools=list(req.tools or []),
         top_logprobs=req.top_logprobs or 0,
@@ -333,6 +343,7 @@ def build_job(
     tool_choice, visible_tools = _parse_tool_choice(req, tool_set(req))
     system = [Message(role="system", content=[TextPart(text=req.instructions or "")])]
     effort = req.reasoning.effort if req.reasoning else None
+    check_tool_schemas(visible_tools, tool_choice, lambda i: f"tools[{i}].parameters")
     logprobs = _LOGPROBS_INCLUDE in (req.include or [])
     return GenerateRequest(
         request_id=request_id,
@@ -349,6 +360,7 @@ def build_job(
             top_logprobs=(req.top_logprobs or 0) if logprobs else 0,
         ),
         max_tokens=req.max_output_tokens,
+        constraint=_constraint(req),
         reasoning=ReasoningControl(
             effort=EFFORTS[effort] if effort else None, visible=True, explicit=effort is not None
         ),

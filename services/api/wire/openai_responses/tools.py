@@ -88,6 +88,7 @@ class _Function(msgspec.Struct, kw_only=True):
     name: str
     description: str | None = None
     parameters: JsonObject | None = None
+    strict: bool | None = None
 
 
 class _Custom(msgspec.Struct, kw_only=True):
@@ -156,7 +157,12 @@ class _Builder:
             fn = _convert(raw, _Function, where)
             name = exposed_name(fn.name, namespace)
             self.defs.append(
-                ToolDef(name=name, description=fn.description, parameters=fn.parameters or {})
+                ToolDef(
+                    name=name,
+                    description=fn.description,
+                    parameters=fn.parameters or {},
+                    strict=bool(fn.strict),
+                )
             )
             self.routes[name] = Route(kind="function", name=fn.name, namespace=namespace)
         elif kind == "custom":

@@ -166,16 +166,20 @@ class ReasoningConfig(msgspec.Struct, kw_only=True):
     summary: str | None = None
 
 
-class TextFormat(msgspec.Struct, kw_only=True):
-    """The echoed ``text.format`` (sluice only produces plain text)."""
+class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The echoed ``text.format``: ``text``, ``json_object``, or ``json_schema`` with its schema."""
 
-    type: Literal["text"] = "text"
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, object] | None = None
+    description: str | None = None
+    strict: bool | None = None
 
 
 class TextConfig(msgspec.Struct, kw_only=True):
     """The echoed ``text`` request parameter."""
 
-    format: TextFormat = msgspec.field(default_factory=TextFormat)
+    format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
     verbosity: Literal["low", "medium", "high"] = "medium"
 
 
