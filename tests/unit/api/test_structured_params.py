@@ -130,9 +130,10 @@ def test_responses_text_format_is_the_constraint_and_echoed() -> None:
     assert echo["text"]["format"] == fmt
     job, echo = responses(text={"format": {"type": "json_object"}})
     assert job.constraint == Constraint(kind="json_object")
-    assert echo["text"] == {"format": {"type": "json_object"}}
+    assert echo["text"] == {"format": {"type": "json_object"}, "verbosity": "medium"}
     job, echo = responses()
-    assert job.constraint is None and echo["text"] == {"format": {"type": "text"}}
+    assert job.constraint is None
+    assert echo["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
     tool = {"type": "function", "name": "f", "parameters": SCHEMA, "strict": True}
     assert responses(tools=[tool])[0].tools[0].strict
 
