@@ -65,6 +65,8 @@ SIGNATURES: dict[str, list[type]] = {
     "sl_swiglu_quantize": [_P, _I, _I, _P, _P, _P, _P, c_int],
     "sl_gemm_q4_1": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
     "sl_gemm_q8_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, c_int, c_int],
+    "sl_gemm_q4_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
+    "sl_linear_forward": [_P, _I, _P, _P, _P, _P, c_int, c_int],
     "sl_attention_decode": [
         *(_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _I, c_int)
     ],
@@ -73,9 +75,18 @@ SIGNATURES: dict[str, list[type]] = {
 
 
 class Linear(ctypes.Structure):
-    """``sl_linear``: a packed linear's buffers (Q4_1, or Q8_0 for the head)."""
+    """``sl_linear``: a packed linear's buffers and its format (a GGML type id: 2 Q4_0, 3 Q4_1,
+    8 Q8_0)."""
 
-    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("bias", _P), ("n", _I), ("k", _I)]
+    _fields_ = [
+        ("q", _P),
+        ("d", _P),
+        ("m", _P),
+        ("bias", _P),
+        ("n", _I),
+        ("k", _I),
+        ("type", _I),
+    ]
 
 
 class Layer(ctypes.Structure):

@@ -228,7 +228,9 @@ q4x8_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wg, const float *d
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wg + b * Q4X8_BLOCK;
-        const __m256 d = _mm256_loadu_ps(dg + b * 8), m = _mm256_loadu_ps(mg + b * 8);
+        /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
+        const __m256 d = _mm256_loadu_ps(dg + b * 8);
+        const __m256 m = mg ? _mm256_loadu_ps(mg + b * 8) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         __m256i raw[4];
         for (int j = 0; j < 4; j++) raw[j] = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
         for (int t = 0; t < mt; t++) {
@@ -256,7 +258,7 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
         const uint8_t *wg = wq + g * nb * Q4X8_BLOCK;
-        const float *dg = wd + g * nb * 8, *mg = wm + g * nb * 8;
+        const float *dg = wd + g * nb * 8, *mg = wm ? wm + g * nb * 8 : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = M - m0 < MT ? (int)(M - m0) : MT;
             float out[MT][8];
@@ -281,8 +283,9 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
                                 dot +=
                                     (byte & 0x0F) * x[4 * j + i] + (byte >> 4) * x[16 + 4 * j + i];
                             }
-                        sum += dg[b * 8 + r] * xd[row * nb + b] * (float)dot +
-                               mg[b * 8 + r] * xs[row * nb + b];
+                        const float mr = mg ? mg[b * 8 + r] : -8.0f * dg[b * 8 + r];
+                        sum +=
+                            dg[b * 8 + r] * xd[row * nb + b] * (float)dot + mr * xs[row * nb + b];
                     }
                     out[t][r] = sum;
                 }
@@ -300,6 +303,13 @@ void sl_gemm_q4_1(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
                   const float *bias, float *y, int accumulate, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
+}
+
+void sl_gemm_q4_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                  const float *xs, const uint8_t *wq, const float *wd, const float *bias, float *y,
+                  int accumulate, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, NULL, bias, y, accumulate);
 }
 
 void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
@@ -324,4 +334,27 @@ void sl_gemm_q8_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
                   int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     gemm_q8_0_body(M, N, K, xq, xd, wq, wd, bias, y, accumulate);
+}
+
+void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd, const float *xs,
+                 float *y, int accumulate) {
+    switch (l->type) {
+    case SL_Q8_0:
+        gemm_q8_0_body(M, l->n, l->k, xq, xd, (const int8_t *)l->q, l->d, l->bias, y, accumulate);
+        break;
+    case SL_Q4_0: /* the Q4_1 GEMM without minimums */
+        gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, NULL, l->bias, y,
+                       accumulate);
+        break;
+    default:
+        gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, l->m, l->bias, y,
+                       accumulate);
+        break;
+    }
+}
+
+void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
+                       const float *xs, float *y, int accumulate, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    linear_body(l, M, xq, xd, xs, y, accumulate);
 }

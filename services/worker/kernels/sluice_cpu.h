@@ -11,6 +11,7 @@
  *   activations  xq int8 [M, K], xd float [M, nb] (scale), xs float [M, nb] (scale * sum of q)
  *   Q4_1 weight  eight rows interleaved (N % 8 == 0): wq uint8 [N/8, nb, 128], wd and wm float
  *                [N/8, nb, 8] (scale, minimum): w = wd * q + wm; see gemm_q4_1_body
+ *   Q4_0 weight  as Q4_1 without the minimums: w = wd * (q - 8)
  *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q
  *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] floats
  *
@@ -75,6 +76,41 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 #endif
 
+/* ---- the model's structs ------------------------------------------------------------------ */
+
+/* Weight formats, numbered as ggml numbers its types (GGML_TYPE_*). */
+enum { SL_Q4_0 = 2, SL_Q4_1 = 3, SL_Q8_0 = 8 };
+
+/* These structs are mirrored field by field by the ctypes Structures in __init__.py (Linear,
+ * Layer, Model, Scratch): change both together. */
+
+/* A packed linear: weights, scales, minimums (Q4_1 only), optional bias, its format (SL_*). */
+typedef struct {
+    const void *q;
+    const float *d, *m, *bias;
+    int64_t n, k, type;
+} sl_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm, *q_norm, *k_norm;
+    sl_linear qkv, o, gate_up, down;
+} sl_layer;
+
+typedef struct {
+    int64_t layers, hidden, inner, heads, kv_heads, head_dim;
+    float eps;
+    const float *cos, *sin, *final_norm;
+    const sl_layer *layer;
+    sl_linear head;
+} sl_model;
+
+/* Per-step buffers, sized for B rows by the caller. */
+typedef struct {
+    int8_t *xq; /* B x max(hidden, inner, heads * head_dim) */
+    float *xd, *xs, *tmp;
+    float *qkv, *attended, *gate_up, *scores; /* scores: B * heads * span */
+} sl_scratch;
+
 /* Stages shared between the files: each holds an orphaned `omp for`, so called inside a parallel
  * region (sl_decode) it shares that region's threads and ends on its barrier. Hidden: only the
  * sl_* entry points are exported. */
@@ -91,5 +127,8 @@ SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *x
 SL_INTERNAL void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                                 const int8_t *wq, const float *wd, const float *bias, float *y,
                                 int accumulate);
+/* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
+SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
+                             const float *xs, float *y, int accumulate);
 
 #endif

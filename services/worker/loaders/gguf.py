@@ -1,7 +1,8 @@
 """Load a GGUF file: dequantize tensors, undo llama.cpp's Q/K permutation, rebuild the tokenizer.
 
 Owns the GGUF -> Hugging Face name mapping and the metadata -> config mapping. Quantized blocks
-are dequantized once at load (numpy, ``gguf.quants``) into dense weights.
+are dequantized once at load (numpy, ``gguf.quants``) into dense weights; the Q4_0 / Q4_1 / Q8_0
+blocks are also kept as they are (``FileWeights``) for the CPU kernels, which pack them exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tokenizers import Tokenizer
 from services.worker.loaders import ModelLoadError, build_card
 from services.worker.loaders.tokenizer import TokenizerError, build_gguf_tokenizer
 from services.worker.models import MODELS
+from services.worker.models.blocks import BLOCK_BYTES, KERNEL_TYPES, FileWeights, QuantBlocks
 from services.worker.models.llama import LlamaModel, WeightError
 from shared.model_card import ModelCard
 
@@ -26,6 +28,7 @@ __all__ = [
     "SUPPORTED_TYPES",
     "dequantize_fast",
     "is_four_bit",
+    "is_quantized",
     "load_gguf",
     "read_metadata",
     "unpermute_qk",
@@ -145,8 +148,11 @@ def _config(meta: dict[str, Any], arch: str, vocab: int, tied: bool) -> dict[str
     }
 
 
-def _tensors(reader: GGUFReader, arch: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _tensors(
+    reader: GGUFReader, arch: str, cfg: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], FileWeights]:
     out: dict[str, torch.Tensor] = {}
+    file = FileWeights()
     for t in reader.tensors:
         qtype = QType(t.tensor_type)
         if qtype not in SUPPORTED_TYPES:
@@ -164,12 +170,22 @@ def _tensors(reader: GGUFReader, arch: str, cfg: dict[str, Any]) -> dict[str, to
             w = w.reshape(shape)
         except (ValueError, AssertionError, RuntimeError) as exc:
             raise ModelLoadError(f"tensor {t.name}: corrupt data ({exc})") from exc
+        heads = None
         if arch in _PERMUTED_ARCHS and t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, cfg["num_attention_heads"])
+            heads = cfg["num_attention_heads"]
         elif arch in _PERMUTED_ARCHS and t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, cfg["num_key_value_heads"])
-        out[hf_name(t.name)] = w.contiguous()  # both paths copied off the mmap
-    return out
+            heads = cfg["num_key_value_heads"]
+        if heads is not None:
+            w = unpermute_qk(w, heads)
+        name = hf_name(t.name)
+        out[name] = w.contiguous()  # both paths copied off the mmap
+        if len(shape) == 2:
+            file.types[name] = int(qtype)
+            if qtype in KERNEL_TYPES:  # the raw blocks too: the CPU kernels pack them as they are
+                raw = _blocks(t.data, BLOCK_BYTES[qtype]).view(shape[0], -1)
+                raw = raw if heads is None else unpermute_qk(raw, heads)  # moves whole rows
+                file.blocks[name] = QuantBlocks(int(qtype), raw.contiguous(), (shape[0], shape[1]))
+    return out, file
 
 
 def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
@@ -187,15 +203,22 @@ def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
         raise ModelLoadError(str(exc)) from exc
 
 
-def is_four_bit(reader: GGUFReader) -> bool:
+def is_four_bit(file: FileWeights) -> bool:
     """True when most 2-D weights are Q4_0/Q4_1: int4 CPU kernels then lose (almost) nothing."""
-    matrices = [t for t in reader.tensors if len(t.shape) == 2]
-    four = sum(QType(t.tensor_type) in (QType.Q4_0, QType.Q4_1) for t in matrices)
-    return four * 2 > len(matrices)
+    four = sum(t in (QType.Q4_0, QType.Q4_1) for t in file.types.values())
+    return four * 2 > len(file.types)
 
 
-def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard, bool]:
-    """Load a GGUF file into an fp32 CPU model, its tokenizer, its card, and ``is_four_bit``.
+def is_quantized(file: FileWeights) -> bool:
+    """True when most 2-D weights are in a quantized type (not F32 / F16 / BF16)."""
+    dense = {int(QType.F32), int(QType.F16), int(QType.BF16)}
+    quantized = sum(t not in dense for t in file.types.values())
+    return quantized * 2 > len(file.types)
+
+
+def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard, FileWeights]:
+    """Load a GGUF file into an fp32 CPU model, its tokenizer, its card, and what the file holds
+    for each 2-D weight (its type, and the raw blocks of the types the CPU kernels read).
 
     Raises:
         ModelLoadError: unreadable file, unknown architecture or tensor, unsupported quant type,
@@ -223,7 +246,8 @@ def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard, 
     with torch.device("meta"):  # weights come from the file: skip random init
         model = model_cls(model_cls.config_from_hf(cfg))
     try:
-        model.load_hf_weights(_tensors(reader, arch, cfg))
+        tensors, file = _tensors(reader, arch, cfg)
+        model.load_hf_weights(tensors)
     except WeightError as exc:
         raise ModelLoadError(f"{path.name}: {exc}") from exc
     tokens = meta["tokenizer.ggml.tokens"]
@@ -246,4 +270,4 @@ def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard, 
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         source=str(path),
     )
-    return model, tokenizer, card, is_four_bit(reader)
+    return model, tokenizer, card, file

@@ -1,0 +1,226 @@
+"""The GGUF weight formats the CPU kernels read as they are (Q4_0, Q4_1, Q8_0): packing raw
+blocks against the ``gguf`` package's reference dequantization, each format's GEMM / GEMV on an
+exact grid against float64 (native and scalar builds), and tiny models written as each format
+against the dense model's logits."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from services.worker import kernels
+from services.worker.kernels import Kernels
+from services.worker.kv_cache import build_batch
+from services.worker.loaders import load_model
+from services.worker.loaders.gguf import load_gguf
+from services.worker.models.blocks import QuantBlocks, dequantize_blocks, pack_blocks
+from services.worker.models.quantized import Activations, PackedLinear, QuantizedLlama
+from tests.worker_models import (
+    ARCH_MODEL_TYPE,
+    gen,
+    hf_state_dict,
+    model_cache,
+    prefill_logits,
+    random_model,
+    tiny_tokenizer,
+    write_gguf,
+)
+
+torch.set_num_threads(1)
+
+QK = 32
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+def _blocks(a: np.ndarray, qtype: Q) -> QuantBlocks:
+    raw = gguf.quants.quantize(a, qtype)
+    n, k = a.shape
+    return QuantBlocks(int(qtype), torch.from_numpy(raw.copy()).view(n, -1), (n, k))
+
+
+def _unpacked(b: QuantBlocks) -> torch.Tensor:
+    """The (N, K) weights the kernel's layout holds, read back from ``pack_blocks``' output."""
+    q, d, m = pack_blocks(b)
+    n, k = b.shape
+    nb = k // QK
+    if b.qtype == Q.Q8_0:
+        return (q.float().view(n, nb, QK) * d[..., None]).view(n, k)
+    g = n // 8
+    by = q.view(g, nb, 4, 8, 4).permute(0, 1, 3, 2, 4)  # (G, nb, row, j, i)
+    v = torch.cat([(by & 0x0F).reshape(g, nb, 8, 16), (by >> 4).reshape(g, nb, 8, 16)], -1)
+    low = -8.0 * d if m is None else m
+    w = v.float() * d[..., None] + low[..., None]  # (G, nb, row, 32)
+    return w.permute(0, 2, 1, 3).reshape(n, k)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_packed_blocks_hold_what_gguf_dequantizes(qtype: Q) -> None:
+    a = np.random.default_rng(int(qtype)).standard_normal((24, 96)).astype(np.float32)
+    b = _blocks(a, qtype)
+    want = gguf.quants.dequantize(b.data.numpy(), qtype).reshape(24, 96)
+    assert np.array_equal(dequantize_blocks(b).numpy(), want)
+    assert np.array_equal(_unpacked(b).numpy(), want)
+
+
+def _grid(qtype: Q, n: int, kk: int, seed: int) -> tuple[QuantBlocks, torch.Tensor]:
+    """Raw GGUF blocks with every value of each block's grid used, and the fp32 weights."""
+    g = gen(seed)
+    nb = kk // QK
+    d = (torch.rand(n, nb, generator=g) * 0.1 + 0.01).half()
+    if qtype == Q.Q8_0:
+        q = torch.randint(-127, 128, (n, nb, QK), generator=g)
+        q[..., 3], q[..., 20] = -127, 127
+        w = d.float()[..., None] * q.float()
+        body = q.to(torch.int8).view(torch.uint8)
+        raw = torch.cat([d[..., None].view(torch.uint8), body], -1)
+    else:
+        q = torch.randint(0, 16, (n, nb, QK), generator=g)
+        q[..., 0], q[..., 31] = 0, 15
+        packed = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+        parts = [d[..., None].view(torch.uint8)]
+        if qtype == Q.Q4_0:
+            w = d.float()[..., None] * (q.float() - 8.0)
+        else:
+            m = (torch.randn(n, nb, generator=g) * 0.1).half()
+            w = d.float()[..., None] * q.float() + m.float()[..., None]
+            parts.append(m[..., None].view(torch.uint8))
+        raw = torch.cat([*parts, packed], -1)
+    return QuantBlocks(int(qtype), raw.reshape(n, -1).contiguous(), (n, kk)), w.view(n, kk)
+
+
+def _activations(m: int, kk: int, seed: int) -> Activations:
+    g = gen(seed)
+    a = Activations(m, kk)
+    a.q.copy_(torch.randint(-127, 128, (m, kk), generator=g).to(torch.int8))
+    a.q[:, 0], a.q[:, 1] = 127, -127
+    a.d.copy_(torch.rand(m, kk // QK, generator=g) * 0.05 + 0.001)
+    a.s.copy_(a.d * a.q.float().view(m, kk // QK, QK).sum(-1))
+    return a
+
+
+def _assert_matmul(got: torch.Tensor, a: Activations, w: torch.Tensor, extra: torch.Tensor) -> None:
+    """``got`` == x @ w.T + extra up to fp32 accumulation: 1e-5 of the sum of |terms|."""
+    x = (a.q.double().view(a.rows, -1, QK) * a.d.double()[..., None]).view(a.rows, a.width)
+    want = x @ w.double().T + extra.double()
+    magnitude = x.abs() @ w.double().abs().T + 1e-3
+    err = (got.double() - want).abs() / magnitude
+    assert err.max().item() < 1e-5, f"relative error {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_gemm_on_grid_equals_float_math(k: Kernels, qtype: Q, m: int) -> None:
+    n, kk = 40, 128
+    blocks, w = _grid(qtype, n, kk, seed=m + 10 * int(qtype))
+    assert torch.equal(dequantize_blocks(blocks), w)
+    bias = torch.randn(n, generator=gen(m))
+    linear = PackedLinear(blocks, bias)
+    assert linear.fmt == qtype.name.lower()
+    a = _activations(m, kk, seed=100 + m)
+    y = torch.full((m, n), float("nan"))
+    linear(k, a, y)
+    _assert_matmul(y, a, w, bias.expand(m, n))
+    start = torch.randn(m, n, generator=gen(m + 1)) * 10
+    y = start.clone()
+    linear(k, a, y, accumulate=True)
+    _assert_matmul(y, a, w, bias + start)
+
+
+def test_gemm_q4_0_entry_point(k: Kernels) -> None:
+    m, n, kk = 5, 16, 64
+    blocks, w = _grid(Q.Q4_0, n, kk, seed=3)
+    nibbles, d, _ = pack_blocks(blocks)
+    a = _activations(m, kk, seed=4)
+    y = torch.full((m, n), float("nan"))
+    k.lib.sl_gemm_q4_0(
+        m, n, kk, a.q.data_ptr(), a.d.data_ptr(), a.s.data_ptr(), nibbles.data_ptr(),
+        d.data_ptr(), 0, y.data_ptr(), 0, k.threads(),
+    )  # fmt: skip
+    _assert_matmul(y, a, w, torch.zeros(m, n))
+
+
+# ---- tiny models written as each format -------------------------------------------------------
+
+
+def _logits(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill logits of two ragged prompts in two slots, then one decode step of both rows."""
+    cache = model_cache(model, slots=2)
+    rows = [prefill_logits(model, prompts[0], cache=cache)]
+    batch = build_batch([1], [0], len(prompts[1]), torch.device("cpu"))
+    with torch.inference_mode():
+        rows.append(model(torch.tensor([prompts[1]]), batch, cache, len(prompts[1]))[0])
+        lengths = [len(ids) for ids in prompts]
+        cache.reserve(max(lengths) + 1)
+        batch = build_batch([0, 1], lengths, 1, torch.device("cpu"))
+        return torch.cat(rows), model(torch.tensor([[5], [17]]), batch, cache)[:, 0]
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("arch", sorted(ARCH_MODEL_TYPE))
+def test_tiny_model_in_each_format_tracks_the_dense_model(
+    k: Kernels, tmp_path: Path, arch: str, qtype: Q
+) -> None:
+    tk = tiny_tokenizer(380)  # 384 tokens: the head splits into groups of eight rows too
+    model = random_model(arch, tk.get_vocab_size(), seed=21)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tk, ARCH_MODEL_TYPE[arch], qtype)
+    dense = load_model(str(path), device="cpu", dtype="float32").model
+    loaded, _, _, file = load_gguf(path, "m")
+    quantized = QuantizedLlama(loaded, k, file)
+    linears = [quantized.head] + [
+        lin for b in quantized.blocks for lin in (b.qkv, b.o_proj, b.gate_up, b.down)
+    ]
+    assert {lin.type for lin in linears} == {int(qtype)}  # every one packed from the file
+    prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
+    for got, want in zip(_logits(quantized, prompts), _logits(dense, prompts), strict=True):
+        assert got.shape == want.shape
+        # The tolerance of the Q4_1 tests: 8-bit activations are the only loss.
+        assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+
+
+def test_types_without_a_kernel_still_load_and_the_paths_are_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    k = kernels.load()
+    if k is None or not k.vectorized:
+        pytest.skip("no vectorized CPU kernels here")
+    tk = tiny_tokenizer(380)
+    model = random_model("LlamaForCausalLM", tk.get_vocab_size(), seed=22)
+    weights = hf_state_dict(model)
+    v = weights["model.layers.0.self_attn.v_proj.weight"].numpy()
+    down = weights["model.layers.1.mlp.down_proj.weight"].numpy()
+    override = {"blk.0.attn_v.weight": (gguf.quants.quantize(v, Q.Q5_0), Q.Q5_0)}
+    override["blk.1.ffn_down.weight"] = (down.astype(np.float16), Q.F16)
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, model, tk, qtype=Q.Q4_0, tensor_override=override)
+    with caplog.at_level(logging.INFO):
+        auto = load_model(str(path), device="cpu")
+    assert isinstance(auto.model, QuantizedLlama)
+    blocks = auto.model.blocks
+    assert blocks[0].qkv.fmt == "q8_0"  # Q4_0 q and k with a Q5_0 v: re-quantized as Q8_0
+    assert blocks[1].qkv.fmt == "q4_0" and blocks[1].down.fmt == "q8_0"
+    logged = [r.getMessage() for r in caplog.records if "weights by type" in r.getMessage()]
+    assert len(logged) == 1
+    assert "Q4_0 x" in logged[0] and "Q4_0 kernel on the file's blocks" in logged[0]
+    assert "Q5_0 x1: dequantized, re-quantized as Q8_0" in logged[0]
+    assert "F16 x1: dequantized, re-quantized as Q8_0" in logged[0]
+
+
+def test_eight_bit_gguf_runs_on_the_kernels_by_default(tmp_path: Path) -> None:
+    tk = tiny_tokenizer()
+    model = random_model("Qwen2ForCausalLM", tk.get_vocab_size(), seed=23)
+    write_gguf(tmp_path / "q8.gguf", model, tk, "qwen2", Q.Q8_0)
+    auto = load_model(str(tmp_path / "q8.gguf"), device="cpu")
+    off = load_model(str(tmp_path / "q8.gguf"), device="cpu", cpu_kernels=False)
+    k = kernels.load()
+    if k is not None and k.vectorized:
+        assert isinstance(auto.model, QuantizedLlama)
+        assert auto.model.blocks[0].gate_up.fmt == "q8_0"
+    # Without the kernels an 8-bit file stays dense: torch's int4 kernels would lose precision.
+    assert isinstance(off.model.layers[0].mlp.gate_up, torch.nn.Linear)
