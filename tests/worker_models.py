@@ -334,3 +334,5 @@ def gen(seed: int) -> torch.Generator:
 
 # The kernels' portable build: no -march=native, so the scalar loops (tests run both builds).
 SCALAR_KERNEL_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# The AVX2 + FMA variant without AVX-512 (tests run it where the native build picks AVX-512).
+AVX2_KERNEL_FLAGS = [*SCALAR_KERNEL_FLAGS, "-mavx2", "-mfma"]

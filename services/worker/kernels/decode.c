@@ -1,5 +1,5 @@
 /* Decode attention and the whole decode step (layouts: sluice_cpu.h). */
-#include "sluice_cpu.h"
+#include "sl_impl.h"
 
 /* ---- decode attention: one new token per row ---------------------------------------------- */
 

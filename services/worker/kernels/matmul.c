@@ -1,7 +1,27 @@
 /* Activation quantization and the quantized GEMMs (layouts: sluice_cpu.h). */
-#include "sluice_cpu.h"
+#include "sl_impl.h"
 
-int sl_vectorized(void) { return SL_AVX2; }
+int sl_vectorized(void) { return SL_AVX2 ? (SL_AVX512_VNNI ? 2 : 1) : 0; }
+
+const char *sl_isa(void) {
+    if (SL_AVX512_VNNI) return "avx512vnni";
+    if (SL_VNNI) return "avx2+vnni";
+    return SL_AVX2 ? "avx2" : "scalar";
+}
+
+int64_t sl_sizeof(const char *name) {
+#define SL_SIZE(type)                                                                              \
+    if (strcmp(name, #type) == 0) return (int64_t)sizeof(type);
+    SL_SIZE(sl_block_q4_0)
+    SL_SIZE(sl_block_q4_1)
+    SL_SIZE(sl_block_q8_0)
+    SL_SIZE(sl_linear)
+    SL_SIZE(sl_layer)
+    SL_SIZE(sl_model)
+    SL_SIZE(sl_scratch)
+#undef SL_SIZE
+    return -1;
+}
 
 /* ---- activation quantization ------------------------------------------------------------- */
 
@@ -132,6 +152,20 @@ static inline void store(float *y, float v, const float *bias, int64_t n, int ac
     *y = v;
 }
 
+#if SL_AVX2
+/* Eight int32 sums of four products w * x each (int8 x int8). The unsigned x signed byte
+ * multiply (maddubs, vpdpbusd) wants one unsigned side: |w| and x with w's sign. */
+static inline __m256i dot_i8(__m256i w, __m256i x) {
+    const __m256i wabs = _mm256_sign_epi8(w, w), xs = _mm256_sign_epi8(x, w);
+#if SL_VNNI
+    return dpbusd256(_mm256_setzero_si256(), wabs, xs);
+#else
+    /* int16 pair sums cannot saturate: 2 x 128 x 127 < 32767 */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
 /* One Q8_0 output row against mt (<= MT) activation rows. always_inline + a literal mt per call
  * site (DISPATCH_TILE) lets the compiler keep the accumulators in registers. */
 #if SL_AVX2
@@ -139,38 +173,54 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int mt, int64_
                                                             const int8_t *wr, const float *dr,
                                                             const int8_t *xq, const float *xd,
                                                             float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MT];
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     int64_t b = 0;
+#if SL_AVX512_VNNI
+    __m512 acc512 = _mm512_setzero_ps();
+    if (mt == 1) { /* one row (decode): two blocks per zmm register */
+        for (; b + 2 <= nb; b += 2) {
+            const __m512i w = _mm512_loadu_si512((const void *)(wr + b * QK));
+            const __m512i x = _mm512_loadu_si512((const void *)(xq + b * QK));
+            /* x with w's sign (no _mm512_sign_epi8): negate where w < 0; w == 0 adds 0 anyway */
+            const __m512i xs =
+                _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
+            /* lanes 0..7 hold block b, lanes 8..15 block b + 1 */
+            const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(dr[b] * xd[b]),
+                                                      _mm512_set1_ps(dr[b + 1] * xd[b + 1]));
+            acc512 = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc512);
+        }
+    }
+#else
     if (mt == 1) { /* one row (decode): two chains, so the FMA latency is not the bound */
         __m256 acc2 = _mm256_setzero_ps();
         for (; b + 2 <= nb; b += 2) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wr + (b + 1) * QK));
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
-            const __m256i d0 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
-            const __m256i d1 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones);
+            const __m256i d0 = dot_i8(_mm256_loadu_si256((const __m256i *)(wr + b * QK)),
+                                      _mm256_loadu_si256((const __m256i *)(xq + b * QK)));
+            const __m256i d1 = dot_i8(_mm256_loadu_si256((const __m256i *)(wr + (b + 1) * QK)),
+                                      _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK)));
             acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * xd[b]), _mm256_cvtepi32_ps(d0), acc[0]);
             acc2 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b + 1] * xd[b + 1]), _mm256_cvtepi32_ps(d1),
                                    acc2);
         }
         acc[0] = _mm256_add_ps(acc[0], acc2);
     }
+#endif
     for (; b < nb; b++) {
         const __m256i w = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
-        const __m256i wabs = _mm256_sign_epi8(w, w); /* maddubs wants one unsigned side */
         for (int t = 0; t < mt; t++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * QK));
-            const __m256i dot =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones);
             const __m256 scale = _mm256_set1_ps(dr[b] * xd[t * nb + b]);
-            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[t]);
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_i8(w, x)), acc[t]);
         }
     }
+#if SL_AVX512_VNNI
+    if (mt == 1) {
+        out[0] = _mm512_reduce_add_ps(acc512) + hsum(acc[0]);
+        return;
+    }
+#endif
     for (int t = 0; t < mt; t++) out[t] = hsum(acc[t]);
 }
 #else
@@ -224,25 +274,36 @@ static inline __m256i bcast4(const int8_t *x) {
 static inline __attribute__((always_inline)) void
 q4x8_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wg, const float *dg, const float *mg,
           const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wg + b * Q4X8_BLOCK;
         /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
         const __m256 d = _mm256_loadu_ps(dg + b * 8);
         const __m256 m = mg ? _mm256_loadu_ps(mg + b * 8) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-        __m256i raw[4];
-        for (int j = 0; j < 4; j++) raw[j] = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+        __m256i lo[4], hi[4]; /* unpacked once for the mt rows */
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+            lo[j] = _mm256_and_si256(raw, low);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
         for (int t = 0; t < mt; t++) {
             const int8_t *x = xq + t * K + b * QK;
+#if SL_VNNI /* int32 sums straight from the bytes */
+            __m256i s32 = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                s32 = dpbusd256(s32, lo[j], bcast4(x + 4 * j));
+                s32 = dpbusd256(s32, hi[j], bcast4(x + 16 + 4 * j));
+            }
+            const __m256 dots = _mm256_cvtepi32_ps(s32);
+#else
             __m256i s16 = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
-                const __m256i lo = _mm256_and_si256(raw[j], low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw[j], 4), low);
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, bcast4(x + 4 * j)));
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, bcast4(x + 16 + 4 * j)));
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[j], bcast4(x + 4 * j)));
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[j], bcast4(x + 16 + 4 * j)));
             }
-            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+#endif
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
             acc[t] = _mm256_fmadd_ps(scale, dots, acc[t]);
             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * nb + b]), acc[t]);

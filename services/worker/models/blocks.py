@@ -14,9 +14,12 @@ its grid, for one).
 
 from __future__ import annotations
 
+from ctypes import sizeof
 from dataclasses import dataclass, field
 
 import torch
+
+from services.worker.kernels import BlockQ4_0, BlockQ4_1, BlockQ8_0
 
 __all__ = [
     "BLOCK_BYTES",
@@ -38,7 +41,7 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8
 KERNEL_TYPES = frozenset({Q4_0, Q4_1, Q8_0})  # a kernel reads these blocks as they are
 # 4-bit (or smaller) types: a linear made of them loses little re-quantized as Q4_1.
 FOUR_BIT_TYPES = frozenset({Q4_0, Q4_1, 10, 11, 12})  # and Q2_K, Q3_K, Q4_K
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+BLOCK_BYTES = {Q4_0: sizeof(BlockQ4_0), Q4_1: sizeof(BlockQ4_1), Q8_0: sizeof(BlockQ8_0)}
 _NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 _NAMES |= {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 

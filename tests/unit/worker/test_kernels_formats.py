@@ -5,6 +5,7 @@ against the dense model's logits."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from pathlib import Path
 
@@ -15,7 +16,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from services.worker import kernels
-from services.worker.kernels import Kernels
+from services.worker.kernels import (
+    FLAGS,
+    MIRRORS,
+    BlockQ4_0,
+    BlockQ4_1,
+    BlockQ8_0,
+    Kernels,
+    build,
+)
 from services.worker.kv_cache import build_batch
 from services.worker.loaders import load_model
 from services.worker.loaders.gguf import load_gguf
@@ -143,6 +152,29 @@ def test_gemm_q4_0_entry_point(k: Kernels) -> None:
         d.data_ptr(), 0, y.data_ptr(), 0, k.threads(),
     )  # fmt: skip
     _assert_matmul(y, a, w, torch.zeros(m, n))
+
+
+# ---- the ABI: warnings, struct sizes ----------------------------------------------------------
+
+
+def test_native_build_has_no_warnings(tmp_path: Path) -> None:
+    build(flags=[*FLAGS, "-Werror"], directory=tmp_path)  # FLAGS has -Wall -Wextra ...
+
+
+def test_struct_sizes_match_their_ctypes_mirrors(k: Kernels) -> None:
+    for name, mirror in MIRRORS.items():
+        assert k.lib.sl_sizeof(name.encode()) == ctypes.sizeof(mirror), name
+    assert k.lib.sl_sizeof(b"sl_nothing") == -1
+    assert [ctypes.sizeof(m) for m in (BlockQ4_0, BlockQ4_1, BlockQ8_0)] == [18, 20, 34]
+
+
+def test_a_mirror_of_the_wrong_size_fails_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Short(ctypes.Structure):
+        _fields_ = [("q", ctypes.c_void_p)]
+
+    monkeypatch.setitem(MIRRORS, "sl_linear", Short)
+    with pytest.raises(RuntimeError, match="sl_linear is 56 bytes"):
+        Kernels(build())
 
 
 # ---- tiny models written as each format -------------------------------------------------------
