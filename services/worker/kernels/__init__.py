@@ -50,6 +50,7 @@ __all__ = [
     "MIRRORS",
     "QK",
     "Activations",
+    "BlockQ4K",
     "BlockQ4_0",
     "BlockQ4_1",
     "BlockQ8_0",
@@ -105,6 +106,18 @@ class BlockQ8_0(ctypes.Structure):
     """``sl_block_q8_0``: a GGUF Q8_0 block (f16 scale, 32 int8 values)."""
 
     _fields_ = [("d", ctypes.c_uint16), ("qs", ctypes.c_int8 * 32)]
+
+
+class BlockQ4K(ctypes.Structure):
+    """``sl_block_q4_K``: a GGUF Q4_K super-block of 256 values (f16 d and dmin, 12 bytes of
+    6-bit scales and minimums, 128 bytes of nibbles)."""
+
+    _fields_ = [
+        ("d", ctypes.c_uint16),
+        ("dmin", ctypes.c_uint16),
+        ("scales", ctypes.c_uint8 * 12),
+        ("qs", ctypes.c_uint8 * 128),
+    ]
 
 
 class Linear(ctypes.Structure):
@@ -250,6 +263,7 @@ MIRRORS: dict[str, type[ctypes.Structure]] = {
     "sl_block_q4_0": BlockQ4_0,
     "sl_block_q4_1": BlockQ4_1,
     "sl_block_q8_0": BlockQ8_0,
+    "sl_block_q4_K": BlockQ4K,
     "sl_linear": Linear,
     "sl_layer": Layer,
     "sl_model": Model,

@@ -15,6 +15,7 @@ int64_t sl_sizeof(const char *name) {
     SL_SIZE(sl_block_q4_0)
     SL_SIZE(sl_block_q4_1)
     SL_SIZE(sl_block_q8_0)
+    SL_SIZE(sl_block_q4_K)
     SL_SIZE(sl_linear)
     SL_SIZE(sl_layer)
     SL_SIZE(sl_model)

@@ -97,6 +97,7 @@ SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, co
 _Static_assert(sizeof(sl_block_q4_0) == 2 + QK / 2, "block_q4_0 is 18 bytes");
 _Static_assert(sizeof(sl_block_q4_1) == 4 + QK / 2, "block_q4_1 is 20 bytes");
 _Static_assert(sizeof(sl_block_q8_0) == 2 + QK, "block_q8_0 is 34 bytes");
+_Static_assert(sizeof(sl_block_q4_K) == 144, "block_q4_K is 144 bytes");
 _Static_assert(sizeof(sl_linear) == 4 * sizeof(void *) + 3 * 8, "sl_linear: 4 pointers, 3 int64");
 _Static_assert(sizeof(sl_scratch) == 8 * sizeof(void *), "sl_scratch: 8 pointers");
 

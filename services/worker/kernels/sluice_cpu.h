@@ -54,6 +54,14 @@ typedef struct {
     int8_t qs[QK];
 } sl_block_q8_0;
 
+/* 256 values: eight 32-value sub-blocks w = (d sc) q - (dmin m), sc and m 6-bit in scales[],
+ * so each sub-block is a Q4_1 block with fp32 scale and minimum: the loader packs it so. */
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qs[128]; /* per 64 values: 32 bytes, the first 32 in low nibbles, the next in high */
+} sl_block_q4_K;
+
 /* These structs are mirrored field by field by the ctypes Structures in __init__.py (Linear,
  * Layer, Model, Scratch): change both together. */
 

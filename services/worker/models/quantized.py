@@ -92,8 +92,7 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         m: torch.Tensor | None = None
         if isinstance(weight, QuantBlocks):
-            self.type = weight.qtype
-            self.q, self.d, m = pack_blocks(weight)
+            self.type, self.q, self.d, m = pack_blocks(weight)
         elif fmt == "q4_1":
             self.type = FORMATS[fmt]
             self.q, self.d, m = pack_q4_1(weight)
@@ -147,9 +146,10 @@ class Packer:
         types = [type_name(self.file.types.get(n, 0)) for n in names]
         blocks = self.file.fused(names)
         if blocks is not None and (blocks.qtype == Q8_0 or blocks.shape[0] % 8 == 0):
+            linear = PackedLinear(blocks, bias)
             for t in types:
-                self.paths[t, f"{t} kernel on the file's blocks"] += 1
-            return PackedLinear(blocks, bias)
+                self.paths[t, f"{linear.fmt.upper()} kernel on the file's blocks"] += 1
+            return linear
         four = all(self.file.types.get(n) in FOUR_BIT_TYPES for n in names)
         fmt = "q4_1" if four and weight.shape[0] % 8 == 0 else "q8_0"  # Q4_1: groups of 8 rows
         for t in types:

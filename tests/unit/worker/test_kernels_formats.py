@@ -1,7 +1,7 @@
-"""The GGUF weight formats the CPU kernels read as they are (Q4_0, Q4_1, Q8_0): packing raw
-blocks against the ``gguf`` package's reference dequantization, each format's GEMM / GEMV on an
-exact grid against float64 (native and scalar builds), and tiny models written as each format
-against the dense model's logits."""
+"""The GGUF weight formats the CPU kernels read exactly (Q4_0, Q4_1, Q8_0, and Q4_K as Q4_1
+blocks): packing raw blocks against the ``gguf`` package's reference dequantization, each
+format's GEMM / GEMV on an exact grid against float64 (native, AVX2 and scalar builds), and tiny
+models written as each format against the dense model's logits."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from tests.worker_models import (
     hf_state_dict,
     model_cache,
     prefill_logits,
+    quantize_q4_k,
     random_model,
     tiny_tokenizer,
     write_gguf,
@@ -55,10 +56,10 @@ def _blocks(a: np.ndarray, qtype: Q) -> QuantBlocks:
 
 def _unpacked(b: QuantBlocks) -> torch.Tensor:
     """The (N, K) weights the kernel's layout holds, read back from ``pack_blocks``' output."""
-    q, d, m = pack_blocks(b)
+    _, q, d, m = pack_blocks(b)
     n, k = b.shape
     nb = k // QK
-    if b.qtype == Q.Q8_0:
+    if q.dtype == torch.int8:  # Q8_0
         return (q.float().view(n, nb, QK) * d[..., None]).view(n, k)
     g = n // 8
     by = q.view(g, nb, 4, 8, 4).permute(0, 1, 3, 2, 4)  # (G, nb, row, j, i)
@@ -77,10 +78,35 @@ def test_packed_blocks_hold_what_gguf_dequantizes(qtype: Q) -> None:
     assert np.array_equal(_unpacked(b).numpy(), want)
 
 
+def _random_q4_k(n: int, kk: int, seed: int) -> QuantBlocks:
+    """Q4_K super-blocks of random bytes (every byte pattern is valid) with finite halves."""
+    g = gen(seed)
+    raw = torch.randint(0, 256, (n, kk // 256, 144), generator=g, dtype=torch.uint8)
+    halves = (torch.rand(n, kk // 256, 2, generator=g) * 0.004 + 0.0005).half()
+    raw[..., 0:4] = halves.view(torch.uint8).view(n, kk // 256, 4)
+    return QuantBlocks(int(Q.Q4_K), raw.view(n, -1), (n, kk))
+
+
+def test_q4_k_blocks_pack_exactly_as_q4_1() -> None:
+    b = _random_q4_k(16, 512, seed=1)
+    want = gguf.quants.dequantize(b.data.numpy(), Q.Q4_K).reshape(16, 512)
+    assert np.array_equal(dequantize_blocks(b).numpy(), want)
+    assert pack_blocks(b)[0] == int(Q.Q4_1)
+    assert np.array_equal(_unpacked(b).numpy(), want)
+    a = np.random.default_rng(2).standard_normal((8, 256)).astype(np.float32)
+    written = QuantBlocks(int(Q.Q4_K), torch.from_numpy(quantize_q4_k(a)), (8, 256))
+    reference = gguf.quants.dequantize(written.data.numpy(), Q.Q4_K).reshape(8, 256)
+    assert np.array_equal(_unpacked(written).numpy(), reference)
+    assert np.abs(reference - a).max() < 0.1 * np.abs(a).max()  # the test quantizer is sane
+
+
 def _grid(qtype: Q, n: int, kk: int, seed: int) -> tuple[QuantBlocks, torch.Tensor]:
     """Raw GGUF blocks with every value of each block's grid used, and the fp32 weights."""
     g = gen(seed)
     nb = kk // QK
+    if qtype == Q.Q4_K:
+        blocks = _random_q4_k(n, kk, seed)
+        return blocks, dequantize_blocks(blocks)
     d = (torch.rand(n, nb, generator=g) * 0.1 + 0.01).half()
     if qtype == Q.Q8_0:
         q = torch.randint(-127, 128, (n, nb, QK), generator=g)
@@ -123,14 +149,14 @@ def _assert_matmul(got: torch.Tensor, a: Activations, w: torch.Tensor, extra: to
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", [*FORMATS, Q.Q4_K])
 def test_gemm_on_grid_equals_float_math(k: Kernels, qtype: Q, m: int) -> None:
-    n, kk = 40, 128
+    n, kk = 40, 256
     blocks, w = _grid(qtype, n, kk, seed=m + 10 * int(qtype))
     assert torch.equal(dequantize_blocks(blocks), w)
     bias = torch.randn(n, generator=gen(m))
     linear = PackedLinear(blocks, bias)
-    assert linear.fmt == qtype.name.lower()
+    assert linear.fmt == ("q4_1" if qtype == Q.Q4_K else qtype.name.lower())
     a = _activations(m, kk, seed=100 + m)
     y = torch.full((m, n), float("nan"))
     linear(k, a, y)
@@ -144,7 +170,7 @@ def test_gemm_on_grid_equals_float_math(k: Kernels, qtype: Q, m: int) -> None:
 def test_gemm_q4_0_entry_point(k: Kernels) -> None:
     m, n, kk = 5, 16, 64
     blocks, w = _grid(Q.Q4_0, n, kk, seed=3)
-    nibbles, d, _ = pack_blocks(blocks)
+    _, nibbles, d, _ = pack_blocks(blocks)
     a = _activations(m, kk, seed=4)
     y = torch.full((m, n), float("nan"))
     k.lib.sl_gemm_q4_0(
@@ -256,3 +282,55 @@ def test_eight_bit_gguf_runs_on_the_kernels_by_default(tmp_path: Path) -> None:
         assert auto.model.blocks[0].gate_up.fmt == "q8_0"
     # Without the kernels an 8-bit file stays dense: torch's int4 kernels would lose precision.
     assert isinstance(off.model.layers[0].mlp.gate_up, torch.nn.Linear)
+
+
+# 256-wide layers: K-quant super-blocks span 256 inputs.
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_MODEL_TYPE))
+def test_tiny_q4_k_model_tracks_the_dense_model(k: Kernels, tmp_path: Path, arch: str) -> None:
+    tk = tiny_tokenizer(380)
+    model = random_model(arch, tk.get_vocab_size(), seed=24, **WIDE)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tk, ARCH_MODEL_TYPE[arch], Q.Q4_K)
+    dense = load_model(str(path), device="cpu", dtype="float32").model
+    loaded, _, _, file = load_gguf(path, "m")
+    quantized = QuantizedLlama(loaded, k, file)
+    assert {b.gate_up.fmt for b in quantized.blocks} == {"q4_1"} and quantized.head.fmt == "q4_1"
+    prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
+    for got, want in zip(_logits(quantized, prompts), _logits(dense, prompts), strict=True):
+        assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+
+
+def test_q4_k_m_mix_runs_on_the_kernels(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A Q4_K_M file: Q4_K, with Q6_K attn_v and ffn_down (random Q6_K blocks: the comparison is
+    with the same file loaded dense)."""
+    k = kernels.load()
+    if k is None or not k.vectorized:
+        pytest.skip("no vectorized CPU kernels here")
+    tk = tiny_tokenizer(380)
+    model = random_model("Qwen2ForCausalLM", tk.get_vocab_size(), seed=25, **WIDE)
+    g = gen(26)
+    override = {}
+    for name, rows, cols in (
+        ("blk.0.attn_v.weight", 128, 256),
+        ("blk.1.ffn_down.weight", 256, 512),
+    ):
+        raw = torch.randint(0, 256, (rows, cols // 256, 210), generator=g, dtype=torch.uint8)
+        d = torch.full((rows, cols // 256, 1), 2e-4).half()
+        raw[..., 208:210] = d.view(torch.uint8)  # block_q6_K ends with its f16 scale
+        override[name] = (raw.view(rows, -1).numpy(), Q.Q6_K)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tk, "qwen2", Q.Q4_K, tensor_override=override)
+    dense = load_model(str(path), device="cpu", dtype="float32").model
+    with caplog.at_level(logging.INFO):
+        auto = load_model(str(path), device="cpu").model
+    assert isinstance(auto, QuantizedLlama)
+    assert auto.blocks[0].qkv.fmt == "q8_0" and auto.blocks[1].down.fmt == "q8_0"
+    assert auto.blocks[1].qkv.fmt == "q4_1" and auto.blocks[0].down.fmt == "q4_1"
+    logged = next(r.getMessage() for r in caplog.records if "weights by type" in r.getMessage())
+    assert "Q4_K x" in logged and "Q6_K x2: dequantized, re-quantized as Q8_0" in logged
+    prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
+    for got, want in zip(_logits(auto, prompts), _logits(dense, prompts), strict=True):
+        assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
