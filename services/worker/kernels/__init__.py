@@ -66,7 +66,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "matmul.c", HERE / "decode.c"]
+SOURCES = [HERE / "matmul.c", HERE / "q8.c", HERE / "decode.c"]
 HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
 WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *WARNINGS]
@@ -108,6 +108,47 @@ class BlockQ8_0(ctypes.Structure):
     _fields_ = [("d", ctypes.c_uint16), ("qs", ctypes.c_int8 * 32)]
 
 
+class BlockQ5_0(ctypes.Structure):
+    """``sl_block_q5_0``: a GGUF Q5_0 block (f16 scale, 32 fifth bits, 16 bytes of nibbles)."""
+
+    _fields_ = [("d", ctypes.c_uint16), ("qh", ctypes.c_uint8 * 4), ("qs", ctypes.c_uint8 * 16)]
+
+
+class BlockQ5_1(ctypes.Structure):
+    """``sl_block_q5_1``: a GGUF Q5_1 block (Q5_0 with an f16 minimum)."""
+
+    _fields_ = [
+        ("d", ctypes.c_uint16),
+        ("m", ctypes.c_uint16),
+        ("qh", ctypes.c_uint8 * 4),
+        ("qs", ctypes.c_uint8 * 16),
+    ]
+
+
+class BlockQ5K(ctypes.Structure):
+    """``sl_block_q5_K``: a GGUF Q5_K super-block (Q4_K plus 32 bytes of fifth bits)."""
+
+    _fields_ = [
+        ("d", ctypes.c_uint16),
+        ("dmin", ctypes.c_uint16),
+        ("scales", ctypes.c_uint8 * 12),
+        ("qh", ctypes.c_uint8 * 32),
+        ("qs", ctypes.c_uint8 * 128),
+    ]
+
+
+class BlockQ6K(ctypes.Structure):
+    """``sl_block_q6_K``: a GGUF Q6_K super-block (low nibbles, high bit pairs, int8 scale per
+    16 values, f16 scale)."""
+
+    _fields_ = [
+        ("ql", ctypes.c_uint8 * 128),
+        ("qh", ctypes.c_uint8 * 64),
+        ("scales", ctypes.c_int8 * 16),
+        ("d", ctypes.c_uint16),
+    ]
+
+
 class BlockQ4K(ctypes.Structure):
     """``sl_block_q4_K``: a GGUF Q4_K super-block of 256 values (f16 d and dmin, 12 bytes of
     6-bit scales and minimums, 128 bytes of nibbles)."""
@@ -121,8 +162,8 @@ class BlockQ4K(ctypes.Structure):
 
 
 class Linear(ctypes.Structure):
-    """``sl_linear``: a packed linear's buffers and its format (a GGML type id: 2 Q4_0, 3 Q4_1,
-    8 Q8_0)."""
+    """``sl_linear``: a packed linear's buffers and its format (``SL_*``: 2 Q4_0, 3 Q4_1, 8 Q8_0
+    as ggml numbers them, 64 Q8_M, 65 Q8_16)."""
 
     _fields_ = [
         ("q", _P),
@@ -263,7 +304,11 @@ MIRRORS: dict[str, type[ctypes.Structure]] = {
     "sl_block_q4_0": BlockQ4_0,
     "sl_block_q4_1": BlockQ4_1,
     "sl_block_q8_0": BlockQ8_0,
+    "sl_block_q5_0": BlockQ5_0,
+    "sl_block_q5_1": BlockQ5_1,
     "sl_block_q4_K": BlockQ4K,
+    "sl_block_q5_K": BlockQ5K,
+    "sl_block_q6_K": BlockQ6K,
     "sl_linear": Linear,
     "sl_layer": Layer,
     "sl_model": Model,

@@ -1,4 +1,5 @@
-/* Activation quantization and the quantized GEMMs (layouts: sluice_cpu.h). */
+/* Activation quantization, the 4-bit GEMMs and the per-format dispatch (layouts: sluice_cpu.h;
+ * the int8-weight GEMMs: q8.c). */
 #include "sl_impl.h"
 
 int sl_vectorized(void) { return SL_AVX2 ? (SL_AVX512_VNNI ? 2 : 1) : 0; }
@@ -15,7 +16,11 @@ int64_t sl_sizeof(const char *name) {
     SL_SIZE(sl_block_q4_0)
     SL_SIZE(sl_block_q4_1)
     SL_SIZE(sl_block_q8_0)
+    SL_SIZE(sl_block_q5_0)
+    SL_SIZE(sl_block_q5_1)
     SL_SIZE(sl_block_q4_K)
+    SL_SIZE(sl_block_q5_K)
+    SL_SIZE(sl_block_q6_K)
     SL_SIZE(sl_linear)
     SL_SIZE(sl_layer)
     SL_SIZE(sl_model)
@@ -147,114 +152,6 @@ void sl_swiglu_quantize(const float *gu, int64_t M, int64_t I, int8_t *xq, float
 
 /* ---- quantized matmuls: y[m, n] (+)= sum_k x[m, k] w[n, k] (+ bias[n]) ------------------- */
 
-static inline void store(float *y, float v, const float *bias, int64_t n, int accumulate) {
-    if (bias) v += bias[n];
-    if (accumulate) v += *y;
-    *y = v;
-}
-
-#if SL_AVX2
-/* Eight int32 sums of four products w * x each (int8 x int8). The unsigned x signed byte
- * multiply (maddubs, vpdpbusd) wants one unsigned side: |w| and x with w's sign. */
-static inline __m256i dot_i8(__m256i w, __m256i x) {
-    const __m256i wabs = _mm256_sign_epi8(w, w), xs = _mm256_sign_epi8(x, w);
-#if SL_VNNI
-    return dpbusd256(_mm256_setzero_si256(), wabs, xs);
-#else
-    /* int16 pair sums cannot saturate: 2 x 128 x 127 < 32767 */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
-#endif
-}
-#endif
-
-/* One Q8_0 output row against mt (<= MT) activation rows. always_inline + a literal mt per call
- * site (DISPATCH_TILE) lets the compiler keep the accumulators in registers. */
-#if SL_AVX2
-static inline __attribute__((always_inline)) void q8_0_tile(const int mt, int64_t nb, int64_t K,
-                                                            const int8_t *wr, const float *dr,
-                                                            const int8_t *xq, const float *xd,
-                                                            float *out) {
-    __m256 acc[MT];
-    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
-    int64_t b = 0;
-#if SL_AVX512_VNNI
-    __m512 acc512 = _mm512_setzero_ps();
-    if (mt == 1) { /* one row (decode): two blocks per zmm register */
-        for (; b + 2 <= nb; b += 2) {
-            const __m512i w = _mm512_loadu_si512((const void *)(wr + b * QK));
-            const __m512i x = _mm512_loadu_si512((const void *)(xq + b * QK));
-            /* x with w's sign (no _mm512_sign_epi8): negate where w < 0; w == 0 adds 0 anyway */
-            const __m512i xs =
-                _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
-            /* lanes 0..7 hold block b, lanes 8..15 block b + 1 */
-            const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(dr[b] * xd[b]),
-                                                      _mm512_set1_ps(dr[b + 1] * xd[b + 1]));
-            acc512 = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc512);
-        }
-    }
-#else
-    if (mt == 1) { /* one row (decode): two chains, so the FMA latency is not the bound */
-        __m256 acc2 = _mm256_setzero_ps();
-        for (; b + 2 <= nb; b += 2) {
-            const __m256i d0 = dot_i8(_mm256_loadu_si256((const __m256i *)(wr + b * QK)),
-                                      _mm256_loadu_si256((const __m256i *)(xq + b * QK)));
-            const __m256i d1 = dot_i8(_mm256_loadu_si256((const __m256i *)(wr + (b + 1) * QK)),
-                                      _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK)));
-            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * xd[b]), _mm256_cvtepi32_ps(d0), acc[0]);
-            acc2 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b + 1] * xd[b + 1]), _mm256_cvtepi32_ps(d1),
-                                   acc2);
-        }
-        acc[0] = _mm256_add_ps(acc[0], acc2);
-    }
-#endif
-    for (; b < nb; b++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
-        for (int t = 0; t < mt; t++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * QK));
-            const __m256 scale = _mm256_set1_ps(dr[b] * xd[t * nb + b]);
-            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_i8(w, x)), acc[t]);
-        }
-    }
-#if SL_AVX512_VNNI
-    if (mt == 1) {
-        out[0] = _mm512_reduce_add_ps(acc512) + hsum(acc[0]);
-        return;
-    }
-#endif
-    for (int t = 0; t < mt; t++) out[t] = hsum(acc[t]);
-}
-#else
-static void q8_0_tile(const int mt, int64_t nb, int64_t K, const int8_t *wr, const float *dr,
-                      const int8_t *xq, const float *xd, float *out) {
-    for (int t = 0; t < mt; t++) {
-        float sum = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            int dot = 0;
-            for (int j = 0; j < QK; j++) dot += wr[b * QK + j] * xq[t * K + b * QK + j];
-            sum += dr[b] * xd[t * nb + b] * (float)dot;
-        }
-        out[t] = sum;
-    }
-}
-#endif
-
-#define DISPATCH_TILE(fn, mt, ...)                                                                 \
-    switch (mt) {                                                                                  \
-    case 4:                                                                                        \
-        fn(4, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 3:                                                                                        \
-        fn(3, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 2:                                                                                        \
-        fn(2, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    default:                                                                                       \
-        fn(1, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    }
-
 /* Q4_1 weights, eight rows interleaved: for rows 8g..8g+7 and block b, four 32-byte vectors
  * whose byte 4r + i (row r) holds value 4j + i in its low nibble and value 16 + 4j + i in its high
  * nibble (j = 0..3), then eight scales and eight minimums. One register then carries four values
@@ -374,35 +271,14 @@ void sl_gemm_q4_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
     gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, NULL, bias, y, accumulate);
 }
 
-void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                    const int8_t *wq, const float *wd, const float *bias, float *y,
-                    int accumulate) {
-    const int64_t nb = K / QK;
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *wr = wq + n * K;
-        const float *dr = wd + n * nb;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            float out[MT] = {0};
-            DISPATCH_TILE(q8_0_tile, mt, nb, K, wr, dr, xq + m0 * K, xd + m0 * nb, out)
-            for (int t = 0; t < mt; t++) store(y + (m0 + t) * N + n, out[t], bias, n, accumulate);
-        }
-    }
-}
-
-void sl_gemm_q8_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                  const int8_t *wq, const float *wd, const float *bias, float *y, int accumulate,
-                  int nthreads) {
-#pragma omp parallel num_threads(nthreads)
-    gemm_q8_0_body(M, N, K, xq, xd, wq, wd, bias, y, accumulate);
-}
-
 void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd, const float *xs,
                  float *y, int accumulate) {
     switch (l->type) {
     case SL_Q8_0:
-        gemm_q8_0_body(M, l->n, l->k, xq, xd, (const int8_t *)l->q, l->d, l->bias, y, accumulate);
+    case SL_Q8_M:
+    case SL_Q8_16:
+        gemm_q8_body(M, l->n, l->k, xq, xd, xs, (const int8_t *)l->q, l->d,
+                     l->type == SL_Q8_M ? l->m : NULL, l->type == SL_Q8_16, l->bias, y, accumulate);
         break;
     case SL_Q4_0: /* the Q4_1 GEMM without minimums */
         gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, NULL, l->bias, y,

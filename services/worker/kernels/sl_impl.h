@@ -86,18 +86,47 @@ SL_INTERNAL void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int
 SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                                 const float *xs, const uint8_t *wq, const float *wd,
                                 const float *wm, const float *bias, float *y, int accumulate);
-SL_INTERNAL void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                                const int8_t *wq, const float *wd, const float *bias, float *y,
-                                int accumulate);
+/* int8 weights (q8.c): scales per 32 values, or per 16 (sub16); optional minimums per 32 */
+SL_INTERNAL void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                              const float *xs, const int8_t *wq, const float *wd, const float *wm,
+                              int sub16, const float *bias, float *y, int accumulate);
 /* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
 SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                              const float *xs, float *y, int accumulate);
+
+static inline void store(float *y, float v, const float *bias, int64_t n, int accumulate) {
+    if (bias) v += bias[n];
+    if (accumulate) v += *y;
+    *y = v;
+}
+
+/* A tile function called with a literal row count mt (1..MT): always_inline + the literal let
+ * the compiler keep the accumulators in registers. */
+#define DISPATCH_TILE(fn, mt, ...)                                                                 \
+    switch (mt) {                                                                                  \
+    case 4:                                                                                        \
+        fn(4, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 3:                                                                                        \
+        fn(3, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        fn(2, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    default:                                                                                       \
+        fn(1, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    }
 
 /* static asserts: the ABI's sizes (mirrored by ctypes, checked again at load through sl_sizeof) */
 _Static_assert(sizeof(sl_block_q4_0) == 2 + QK / 2, "block_q4_0 is 18 bytes");
 _Static_assert(sizeof(sl_block_q4_1) == 4 + QK / 2, "block_q4_1 is 20 bytes");
 _Static_assert(sizeof(sl_block_q8_0) == 2 + QK, "block_q8_0 is 34 bytes");
+_Static_assert(sizeof(sl_block_q5_0) == 22, "block_q5_0 is 22 bytes");
+_Static_assert(sizeof(sl_block_q5_1) == 24, "block_q5_1 is 24 bytes");
 _Static_assert(sizeof(sl_block_q4_K) == 144, "block_q4_K is 144 bytes");
+_Static_assert(sizeof(sl_block_q5_K) == 176, "block_q5_K is 176 bytes");
+_Static_assert(sizeof(sl_block_q6_K) == 210, "block_q6_K is 210 bytes");
 _Static_assert(sizeof(sl_linear) == 4 * sizeof(void *) + 3 * 8, "sl_linear: 4 pointers, 3 int64");
 _Static_assert(sizeof(sl_scratch) == 8 * sizeof(void *), "sl_scratch: 8 pointers");
 

@@ -12,7 +12,9 @@
  *   Q4_1 weight  eight rows interleaved (N % 8 == 0): wq uint8 [N/8, nb, 128], wd and wm float
  *                [N/8, nb, 8] (scale, minimum): w = wd * q + wm; see gemm_q4_1_body
  *   Q4_0 weight  as Q4_1 without the minimums: w = wd * (q - 8)
- *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q
+ *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q (also Q5_0, as q - 16)
+ *   Q8_M weight  Q8_0 plus wm float [N, nb]: w = wd * q + wm (Q5_1, Q5_K: q in 0..31)
+ *   Q8_16 weight wq int8 [N, nb, 32], wd float [N, 2 nb]: one scale per 16 values (Q6_K)
  *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] floats
  *
  * Threads: every entry point takes nthreads and uses OpenMP, the same libgomp torch loaded, so
@@ -34,8 +36,15 @@
 
 #define QK 32 /* values per quantization block */
 
-/* Weight formats, numbered as ggml numbers its types (GGML_TYPE_*). */
-enum { SL_Q4_0 = 2, SL_Q4_1 = 3, SL_Q8_0 = 8 };
+/* Weight formats: the first three numbered as ggml numbers its types (GGML_TYPE_*), the others
+ * sluice's own int8 layouts that hold the 5- and 6-bit GGUF types exactly. */
+enum {
+    SL_Q4_0 = 2,
+    SL_Q4_1 = 3,
+    SL_Q8_0 = 8,
+    SL_Q8_M = 64,  /* int8 values, a scale and a minimum per 32: Q5_1, Q5_K */
+    SL_Q8_16 = 65, /* int8 values, a scale per 16: Q6_K */
+};
 
 /* The GGUF blocks the formats come from (ggml's block_q4_0 etc.; d and m are IEEE halves). The
  * loader packs them into the layouts above; their sizes are part of the ABI (sl_sizeof). */
@@ -54,6 +63,18 @@ typedef struct {
     int8_t qs[QK];
 } sl_block_q8_0;
 
+typedef struct {
+    uint16_t d;
+    uint8_t qh[4]; /* bit i: the fifth bit of value i */
+    uint8_t qs[QK / 2];
+} sl_block_q5_0; /* w = d (q - 16) */
+
+typedef struct {
+    uint16_t d, m;
+    uint8_t qh[4];
+    uint8_t qs[QK / 2];
+} sl_block_q5_1; /* w = d q + m */
+
 /* 256 values: eight 32-value sub-blocks w = (d sc) q - (dmin m), sc and m 6-bit in scales[],
  * so each sub-block is a Q4_1 block with fp32 scale and minimum: the loader packs it so. */
 typedef struct {
@@ -61,6 +82,23 @@ typedef struct {
     uint8_t scales[12];
     uint8_t qs[128]; /* per 64 values: 32 bytes, the first 32 in low nibbles, the next in high */
 } sl_block_q4_K;
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12]; /* as Q4_K */
+    uint8_t
+        qh[32]; /* bit 2c (2c + 1) of byte l: the fifth bit of value l of sub-block 2c (2c + 1) */
+    uint8_t qs[128]; /* as Q4_K */
+} sl_block_q5_K;
+
+/* 256 values w = d sc (q - 32), q 6-bit, one int8 scale sc per 16 values: int8 values q - 32 with
+ * fp32 scales d sc per 16, i.e. Q8_16, exactly. */
+typedef struct {
+    uint8_t ql[128]; /* low four bits */
+    uint8_t qh[64];  /* high two bits */
+    int8_t scales[16];
+    uint16_t d;
+} sl_block_q6_K;
 
 /* These structs are mirrored field by field by the ctypes Structures in __init__.py (Linear,
  * Layer, Model, Scratch): change both together. */
@@ -109,7 +147,8 @@ void sl_rmsnorm_quantize(const float *x, const float *w, float eps, int64_t M, i
 void sl_swiglu_quantize(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd, float *xs,
                         float *tmp, int nthreads);
 
-/* y[m, n] (+)= sum_k x[m, k] w[n, k] (+ bias[n]), per format, and for any sl_linear. */
+/* y[m, n] (+)= sum_k x[m, k] w[n, k] (+ bias[n]), per format, and for any sl_linear (its type
+ * picks the GEMM). */
 void sl_gemm_q4_1(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                   const float *xs, const uint8_t *wq, const float *wd, const float *wm,
                   const float *bias, float *y, int accumulate, int nthreads);

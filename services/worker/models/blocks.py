@@ -10,7 +10,9 @@ A GGUF Q4_0 / Q4_1 / Q8_0 row is ``K / 32`` blocks of ``[d: f16][m: f16, Q4_1 on
 kernels' layouts hold the same integers re-ordered and the scales as fp32, so packing is a byte
 shuffle: exact, where re-quantizing dequantized weights is not always (a Q4_0 block that does
 not reach both ends of its grid, for one). A Q4_K super-block of 256 values is eight such
-affine 4-bit sub-blocks with 6-bit scales and minimums, so it packs exactly as Q4_1.
+affine 4-bit sub-blocks with 6-bit scales and minimums, so it packs exactly as Q4_1; the 5- and
+6-bit types pack exactly into sluice's int8 layouts (Q8_0, Q8_M, Q8_16): more bytes than the
+file's, but every value as ggml computes it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.kernels import BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ8_0
+from services.worker.kernels import (
+    BlockQ4_0,
+    BlockQ4_1,
+    BlockQ4K,
+    BlockQ5_0,
+    BlockQ5_1,
+    BlockQ5K,
+    BlockQ6K,
+    BlockQ8_0,
+)
 
 __all__ = [
     "BLOCK_BYTES",
     "FOUR_BIT_TYPES",
+    "INTERLEAVED",
     "KERNEL_TYPES",
     "FileWeights",
     "QuantBlocks",
@@ -38,16 +50,20 @@ __all__ = [
 
 QK = 32
 # GGML type ids (ggml.h GGML_TYPE_*), as sluice_cpu.h's SL_* constants number them.
-Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+Q8_M, Q8_16 = 64, 65  # sluice's int8 layouts (sluice_cpu.h SL_Q8_M, SL_Q8_16)
 QK_K = 256  # values per K-quant super-block
-# A kernel reads these blocks exactly: as they are, or (Q4_K) as Q4_1 blocks with fp32 scales.
-KERNEL_TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K})
+# A kernel reads these blocks exactly: as they are, or re-laid out (pack_blocks).
+KERNEL_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K})
 # 4-bit (or smaller) types: a linear made of them loses little re-quantized as Q4_1.
-FOUR_BIT_TYPES = frozenset({Q4_0, Q4_1, 10, 11, 12})  # and Q2_K, Q3_K, Q4_K
+FOUR_BIT_TYPES = frozenset({Q4_0, Q4_1, 10, 11, Q4_K})  # and Q2_K, Q3_K
+INTERLEAVED = frozenset({Q4_0, Q4_1, Q4_K})  # packed in groups of eight rows (N % 8 == 0)
 BLOCK_BYTES = {Q4_0: sizeof(BlockQ4_0), Q4_1: sizeof(BlockQ4_1), Q8_0: sizeof(BlockQ8_0)}
-BLOCK_BYTES[Q4_K] = sizeof(BlockQ4K)  # per 256 values
+BLOCK_BYTES |= {Q5_0: sizeof(BlockQ5_0), Q5_1: sizeof(BlockQ5_1)}
+BLOCK_BYTES |= {Q4_K: sizeof(BlockQ4K), Q5_K: sizeof(BlockQ5K), Q6_K: sizeof(BlockQ6K)}  # per 256
 _NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 _NAMES |= {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+_NAMES |= {Q8_M: "Q8_M", Q8_16: "Q8_16"}
 
 
 def type_name(qtype: int) -> str:
@@ -112,22 +128,66 @@ def _interleave(qs: torch.Tensor) -> torch.Tensor:
     return grouped.reshape(n // 8, nb * 128).contiguous()
 
 
-def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K super-blocks (N, K/256, 144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, 128
-    bytes of nibbles) -> per 32 values: values (N, K/32, 32) 0..15, scale d * sc and minimum
-    -dmin * m (N, K/32) fp32, so that w = scale * q + minimum: a Q4_1 block with fp32 scales."""
-    n, ns = raw.shape[0], raw.shape[1]
-    d, dmin = _f16(raw, 0), _f16(raw, 2)
+def _scale_min(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 bytes at offset 4 of each super-block -> eight 6-bit scales and mins.
+
+    ggml's get_scale_min_k4: sub-blocks 0..3 in the low 6 bits of bytes 0..3 (scales) and 4..7
+    (mins); sub-blocks 4..7 split over bytes 8..11 and the top 2 bits of bytes 0..7."""
     s = raw[..., 4:16].to(torch.int32)  # (N, ns, 12)
-    # ggml's get_scale_min_k4: sub-blocks 0..3 in the low 6 bits of bytes 0..3 (scales) and
-    # 4..7 (mins); sub-blocks 4..7 split over bytes 8..11 and the top 2 bits of bytes 0..7.
     sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
     mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    qs = raw[..., 16:].reshape(n, ns, 4, 1, 32)  # 64 values per 32 bytes: low, then high nibbles
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(n, ns * 8, QK)
-    scale = (d[..., None] * sc.float()).reshape(n, ns * 8)
-    low = (-dmin[..., None] * mn.float()).reshape(n, ns * 8)
-    return q, scale, low
+    return sc.float(), mn.float()
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes (..., n) -> their bits (..., 8 n), least significant first (bit i of the LE word)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((packed[..., None] >> shifts) & 1).flatten(-2)
+
+
+Decoded = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _decode(b: QuantBlocks) -> Decoded:
+    """Every kernel-readable type except Q4_0 / Q4_1 / Q8_0 (packed from their bytes) -> the
+    kernel format that holds it exactly, values (N, K / 32, 32) as integers, scales per 32 (per
+    16 for Q6_K) and minimums per 32 or None, in fp32: w = scale * q + minimum.
+
+    Each scale is a product of an f16 and an integer of at most 8 bits: exact in fp32, as ggml
+    computes it."""
+    n, k = b.shape
+    nb, ns = k // QK, k // QK_K
+    if b.qtype in (Q5_0, Q5_1):  # [d][m: Q5_1 only][32 fifth bits][16 bytes of nibbles]
+        raw = b.data.view(n, nb, BLOCK_BYTES[b.qtype])
+        at = 2 if b.qtype == Q5_0 else 4
+        qs = raw[..., at + 4 :]
+        q = torch.cat([qs & 0x0F, qs >> 4], -1) | (_bits(raw[..., at : at + 4]) << 4)
+        if b.qtype == Q5_0:  # w = d (q - 16): Q8_0
+            return Q8_0, q.to(torch.int16) - 16, _f16(raw, 0), None
+        return Q8_M, q, _f16(raw, 0), _f16(raw, 2)
+    raw = b.data.view(n, ns, BLOCK_BYTES[b.qtype])
+    if b.qtype == Q6_K:  # [ql: 128][qh: 64][scales: 16 int8][d]
+        ql, qh = raw[..., :128].view(n, ns, 2, 2, 32), raw[..., 128:192].view(n, ns, 2, 1, 32)
+        # per 128 values: 32-value quarters from the low / high nibbles of ql's two halves,
+        # with two high bits each from qh at shifts 0, 2, 4, 6
+        low4 = torch.cat([ql & 0x0F, ql >> 4], 3)  # (N, ns, 2, 4, 32): quarters 0, 1, 2, 3
+        high2 = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+        q = (low4 | (high2 << 4)).to(torch.int16) - 32
+        sc = raw[..., 192:208].contiguous().view(torch.int8).float()  # (N, ns, 16)
+        scale = (_f16(raw, 208)[..., None] * sc).reshape(n, 2 * nb)
+        return Q8_16, q.reshape(n, nb, QK), scale, None
+    sc, mn = _scale_min(raw)
+    scale = (_f16(raw, 0)[..., None] * sc).reshape(n, nb)
+    low = (-_f16(raw, 2)[..., None] * mn).reshape(n, nb)
+    if b.qtype == Q4_K:  # [d][dmin][scales][128 bytes: per 64 values, low then high nibbles]
+        qs = raw[..., 16:].reshape(n, ns, 4, 1, 32)
+        return Q4_1, torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(n, nb, QK), scale, low
+    # Q5_K: [d][dmin][scales][qh: 32][qs: 128 as Q4_K]; bit s of qh byte l: value l of sub-block s
+    qs = raw[..., 48:].reshape(n, ns, 4, 1, 32)
+    fifth = (raw[..., 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # (N, ns, 32, 8)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(n, ns, 8, 32)
+    q = q | (fifth.permute(0, 1, 3, 2) << 4)
+    return Q8_M, q.reshape(n, nb, QK), scale, low
 
 
 def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -137,21 +197,25 @@ def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     Q8_0: int8 (N, K) and scales (N, K/32). Q4_0 / Q4_1: eight rows interleaved (N % 8 == 0),
     the GGUF nibble bytes re-ordered (``_interleave``). Q4_K: each 32-value sub-block is
     ``(d sc) q - (dmin m)`` with q in 0..15, so it becomes a Q4_1 block with fp32 scale and
-    minimum (both products exact in fp32): the Q4_1 kernel then computes what ggml does.
+    minimum: the Q4_1 kernel then computes what ggml does. Q5_0 (as ``q - 16``) is Q8_0; Q5_1
+    and Q5_K (q in 0..31) are Q8_M; Q6_K (``q - 32`` with a scale per 16) is Q8_16.
     """
     n, k = b.shape
-    nb = k // QK
-    if b.qtype == Q4_K:
-        q, scale, low = _q4_k(b.data.view(n, k // QK_K, BLOCK_BYTES[Q4_K]))
+    if b.qtype in (Q4_0, Q4_1, Q8_0):
+        raw = b.data.view(n, k // QK, BLOCK_BYTES[b.qtype])
+        if b.qtype == Q8_0:
+            values = raw[..., 2:].contiguous().view(torch.int8).view(n, k)
+            return Q8_0, values, _f16(raw, 0).contiguous(), None
+        packed = _interleave(raw[..., 2 if b.qtype == Q4_0 else 4 :])
+        minimums = None if b.qtype == Q4_0 else _by_group(_f16(raw, 2))
+        return b.qtype, packed, _by_group(_f16(raw, 0)), minimums
+    fmt, q, scale, low = _decode(b)
+    if fmt == Q4_1:
         nibbles = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+        assert low is not None
         return Q4_1, _interleave(nibbles), _by_group(scale), _by_group(low)
-    raw = b.data.view(n, nb, BLOCK_BYTES[b.qtype])
-    if b.qtype == Q8_0:
-        values = raw[..., 2:].contiguous().view(torch.int8).view(n, k)
-        return Q8_0, values, _f16(raw, 0).contiguous(), None
-    packed = _interleave(raw[..., 2 if b.qtype == Q4_0 else 4 :])
-    minimums = None if b.qtype == Q4_0 else _by_group(_f16(raw, 2))
-    return b.qtype, packed, _by_group(_f16(raw, 0)), minimums
+    values = q.to(torch.int8).reshape(n, k)
+    return fmt, values, scale.contiguous(), None if low is None else low.contiguous()
 
 
 def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,9 +264,13 @@ def pack_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_blocks(b: QuantBlocks) -> torch.Tensor:
     """The (N, K) fp32 weights the blocks encode (the reference the packing tests compare to)."""
     n, k = b.shape
-    if b.qtype == Q4_K:
-        q, scale, low = _q4_k(b.data.view(n, k // QK_K, BLOCK_BYTES[Q4_K]))
-        return (q.float() * scale[..., None] + low[..., None]).view(n, k)
+    if b.qtype not in (Q4_0, Q4_1, Q8_0):
+        fmt, q, scale, low = _decode(b)
+        if fmt == Q8_16:  # a scale per 16 values
+            w = q.float().view(n, -1, 16) * scale[..., None]
+            return w.view(n, k)
+        w = q.float() * scale[..., None]
+        return (w if low is None else w + low[..., None]).view(n, k)
     raw = b.data.view(n, k // QK, BLOCK_BYTES[b.qtype])
     d = _f16(raw, 0)[..., None]
     if b.qtype == Q8_0:

@@ -33,6 +33,7 @@ from services.worker.kernels import QK, Activations, Kernels, Layer, Linear, Mod
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.models.blocks import (
     FOUR_BIT_TYPES,
+    INTERLEAVED,
     Q4_0,
     Q4_1,
     Q8_0,
@@ -145,7 +146,7 @@ class Packer:
             return PackedLinear(weight, bias, dense)
         types = [type_name(self.file.types.get(n, 0)) for n in names]
         blocks = self.file.fused(names)
-        if blocks is not None and (blocks.qtype == Q8_0 or blocks.shape[0] % 8 == 0):
+        if blocks is not None and (blocks.qtype not in INTERLEAVED or blocks.shape[0] % 8 == 0):
             linear = PackedLinear(blocks, bias)
             for t in types:
                 self.paths[t, f"{linear.fmt.upper()} kernel on the file's blocks"] += 1

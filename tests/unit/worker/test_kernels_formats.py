@@ -28,7 +28,14 @@ from services.worker.kernels import (
 from services.worker.kv_cache import build_batch
 from services.worker.loaders import load_model
 from services.worker.loaders.gguf import load_gguf
-from services.worker.models.blocks import QuantBlocks, dequantize_blocks, pack_blocks
+from services.worker.models.blocks import (
+    BLOCK_BYTES,
+    Q8_16,
+    Q8_M,
+    QuantBlocks,
+    dequantize_blocks,
+    pack_blocks,
+)
 from services.worker.models.quantized import Activations, PackedLinear, QuantizedLlama
 from tests.worker_models import (
     ARCH_MODEL_TYPE,
@@ -45,7 +52,7 @@ from tests.worker_models import (
 torch.set_num_threads(1)
 
 QK = 32
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]  # gguf-py writes these (and Q5_0 / Q5_1)
 
 
 def _blocks(a: np.ndarray, qtype: Q) -> QuantBlocks:
@@ -56,11 +63,14 @@ def _blocks(a: np.ndarray, qtype: Q) -> QuantBlocks:
 
 def _unpacked(b: QuantBlocks) -> torch.Tensor:
     """The (N, K) weights the kernel's layout holds, read back from ``pack_blocks``' output."""
-    _, q, d, m = pack_blocks(b)
+    fmt, q, d, m = pack_blocks(b)
     n, k = b.shape
     nb = k // QK
-    if q.dtype == torch.int8:  # Q8_0
-        return (q.float().view(n, nb, QK) * d[..., None]).view(n, k)
+    if fmt == Q8_16:
+        return (q.float().view(n, 2 * nb, 16) * d[..., None]).view(n, k)
+    if q.dtype == torch.int8:  # Q8_0, Q8_M
+        w = q.float().view(n, nb, QK) * d[..., None]
+        return (w if m is None else w + m[..., None]).view(n, k)
     g = n // 8
     by = q.view(g, nb, 4, 8, 4).permute(0, 1, 3, 2, 4)  # (G, nb, row, j, i)
     v = torch.cat([(by & 0x0F).reshape(g, nb, 8, 16), (by >> 4).reshape(g, nb, 8, 16)], -1)
@@ -78,21 +88,36 @@ def test_packed_blocks_hold_what_gguf_dequantizes(qtype: Q) -> None:
     assert np.array_equal(_unpacked(b).numpy(), want)
 
 
-def _random_q4_k(n: int, kk: int, seed: int) -> QuantBlocks:
-    """Q4_K super-blocks of random bytes (every byte pattern is valid) with finite halves."""
+# where each type keeps its f16 halves, and how many values a block holds
+HALVES = {Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def _random_blocks(qtype: Q, n: int, kk: int, seed: int) -> QuantBlocks:
+    """Blocks of random bytes (every byte pattern is valid) with small finite halves."""
     g = gen(seed)
-    raw = torch.randint(0, 256, (n, kk // 256, 144), generator=g, dtype=torch.uint8)
-    halves = (torch.rand(n, kk // 256, 2, generator=g) * 0.004 + 0.0005).half()
-    raw[..., 0:4] = halves.view(torch.uint8).view(n, kk // 256, 4)
-    return QuantBlocks(int(Q.Q4_K), raw.view(n, -1), (n, kk))
+    per = 256 if qtype in K_TYPES else QK
+    raw = torch.randint(0, 256, (n, kk // per, BLOCK_BYTES[int(qtype)]), generator=g)
+    raw = raw.to(torch.uint8)
+    for at in HALVES[qtype]:
+        half = (torch.rand(n, kk // per, 1, generator=g) * 0.004 + 0.0005).half()
+        raw[..., at : at + 2] = half.view(torch.uint8)
+    return QuantBlocks(int(qtype), raw.view(n, -1), (n, kk))
 
 
-def test_q4_k_blocks_pack_exactly_as_q4_1() -> None:
-    b = _random_q4_k(16, 512, seed=1)
-    want = gguf.quants.dequantize(b.data.numpy(), Q.Q4_K).reshape(16, 512)
+@pytest.mark.parametrize(
+    ("qtype", "fmt"),
+    [(Q.Q5_0, Q.Q8_0), (Q.Q5_1, Q8_M), (Q.Q4_K, Q.Q4_1), (Q.Q5_K, Q8_M), (Q.Q6_K, Q8_16)],
+)
+def test_5_and_6_bit_and_k_quant_blocks_pack_exactly(qtype: Q, fmt: int) -> None:
+    b = _random_blocks(qtype, 16, 512, seed=int(qtype))
+    want = gguf.quants.dequantize(b.data.numpy(), qtype).reshape(16, 512)
     assert np.array_equal(dequantize_blocks(b).numpy(), want)
-    assert pack_blocks(b)[0] == int(Q.Q4_1)
+    assert pack_blocks(b)[0] == int(fmt)
     assert np.array_equal(_unpacked(b).numpy(), want)
+
+
+def test_the_test_q4_k_writer_is_what_gguf_reads() -> None:
     a = np.random.default_rng(2).standard_normal((8, 256)).astype(np.float32)
     written = QuantBlocks(int(Q.Q4_K), torch.from_numpy(quantize_q4_k(a)), (8, 256))
     reference = gguf.quants.dequantize(written.data.numpy(), Q.Q4_K).reshape(8, 256)
@@ -104,8 +129,8 @@ def _grid(qtype: Q, n: int, kk: int, seed: int) -> tuple[QuantBlocks, torch.Tens
     """Raw GGUF blocks with every value of each block's grid used, and the fp32 weights."""
     g = gen(seed)
     nb = kk // QK
-    if qtype == Q.Q4_K:
-        blocks = _random_q4_k(n, kk, seed)
+    if qtype in HALVES:
+        blocks = _random_blocks(qtype, n, kk, seed)
         return blocks, dequantize_blocks(blocks)
     d = (torch.rand(n, nb, generator=g) * 0.1 + 0.01).half()
     if qtype == Q.Q8_0:
@@ -149,14 +174,14 @@ def _assert_matmul(got: torch.Tensor, a: Activations, w: torch.Tensor, extra: to
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("qtype", [*FORMATS, Q.Q4_K])
+@pytest.mark.parametrize("qtype", [*FORMATS, *HALVES])
 def test_gemm_on_grid_equals_float_math(k: Kernels, qtype: Q, m: int) -> None:
     n, kk = 40, 256
     blocks, w = _grid(qtype, n, kk, seed=m + 10 * int(qtype))
     assert torch.equal(dequantize_blocks(blocks), w)
     bias = torch.randn(n, generator=gen(m))
     linear = PackedLinear(blocks, bias)
-    assert linear.fmt == ("q4_1" if qtype == Q.Q4_K else qtype.name.lower())
+    assert linear.type == pack_blocks(blocks)[0]
     a = _activations(m, kk, seed=100 + m)
     y = torch.full((m, n), float("nan"))
     linear(k, a, y)
@@ -219,7 +244,11 @@ def _logits(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Ten
         return torch.cat(rows), model(torch.tensor([[5], [17]]), batch, cache)[:, 0]
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+# the kernel format each type written by gguf-py is packed into
+KERNEL_FORMAT = {Q.Q4_0: Q.Q4_0, Q.Q4_1: Q.Q4_1, Q.Q8_0: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q8_M}
+
+
+@pytest.mark.parametrize("qtype", list(KERNEL_FORMAT))
 @pytest.mark.parametrize("arch", sorted(ARCH_MODEL_TYPE))
 def test_tiny_model_in_each_format_tracks_the_dense_model(
     k: Kernels, tmp_path: Path, arch: str, qtype: Q
@@ -234,7 +263,8 @@ def test_tiny_model_in_each_format_tracks_the_dense_model(
     linears = [quantized.head] + [
         lin for b in quantized.blocks for lin in (b.qkv, b.o_proj, b.gate_up, b.down)
     ]
-    assert {lin.type for lin in linears} == {int(qtype)}  # every one packed from the file
+    # every one packed from the file's blocks
+    assert {lin.type for lin in linears} == {int(KERNEL_FORMAT[qtype])}
     prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
     for got, want in zip(_logits(quantized, prompts), _logits(dense, prompts), strict=True):
         assert got.shape == want.shape
@@ -304,33 +334,34 @@ def test_tiny_q4_k_model_tracks_the_dense_model(k: Kernels, tmp_path: Path, arch
 
 
 def test_q4_k_m_mix_runs_on_the_kernels(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A Q4_K_M file: Q4_K, with Q6_K attn_v and ffn_down (random Q6_K blocks: the comparison is
-    with the same file loaded dense)."""
+    """A Q4_K_M file: Q4_K, with Q6_K attn_v and ffn_down, and one Q5_K (random blocks: the
+    comparison is with the same file loaded dense)."""
     k = kernels.load()
     if k is None or not k.vectorized:
         pytest.skip("no vectorized CPU kernels here")
     tk = tiny_tokenizer(380)
     model = random_model("Qwen2ForCausalLM", tk.get_vocab_size(), seed=25, **WIDE)
-    g = gen(26)
     override = {}
-    for name, rows, cols in (
-        ("blk.0.attn_v.weight", 128, 256),
-        ("blk.1.ffn_down.weight", 256, 512),
-    ):
-        raw = torch.randint(0, 256, (rows, cols // 256, 210), generator=g, dtype=torch.uint8)
-        d = torch.full((rows, cols // 256, 1), 2e-4).half()
-        raw[..., 208:210] = d.view(torch.uint8)  # block_q6_K ends with its f16 scale
-        override[name] = (raw.view(rows, -1).numpy(), Q.Q6_K)
+    shapes = {"blk.0.attn_v.weight": (128, 256), "blk.1.ffn_down.weight": (256, 512)}
+    for name, (rows, cols) in shapes.items():
+        override[name] = (_random_blocks(Q.Q6_K, rows, cols, seed=rows).data.numpy(), Q.Q6_K)
+    # and one Q5_K (a Q5_K_M file's blocks)
+    override["blk.0.ffn_down.weight"] = (_random_blocks(Q.Q5_K, 256, 512, 5).data.numpy(), Q.Q5_K)
     path = tmp_path / "m.gguf"
     write_gguf(path, model, tk, "qwen2", Q.Q4_K, tensor_override=override)
     dense = load_model(str(path), device="cpu", dtype="float32").model
     with caplog.at_level(logging.INFO):
         auto = load_model(str(path), device="cpu").model
     assert isinstance(auto, QuantizedLlama)
-    assert auto.blocks[0].qkv.fmt == "q8_0" and auto.blocks[1].down.fmt == "q8_0"
-    assert auto.blocks[1].qkv.fmt == "q4_1" and auto.blocks[0].down.fmt == "q4_1"
+    # Q4_K q and k fused with a Q6_K v: one format for the linear, re-quantized as Q8_0
+    assert auto.blocks[0].qkv.fmt == "q8_0"
+    assert auto.blocks[1].down.fmt == "q8_16" and auto.blocks[0].down.fmt == "q8_m"
+    assert auto.blocks[1].qkv.fmt == "q4_1" and auto.blocks[0].gate_up.fmt == "q4_1"
     logged = next(r.getMessage() for r in caplog.records if "weights by type" in r.getMessage())
-    assert "Q4_K x" in logged and "Q6_K x2: dequantized, re-quantized as Q8_0" in logged
+    assert "Q4_K x" in logged and "Q4_1 kernel on the file's blocks" in logged
+    assert "Q6_K x1: Q8_16 kernel on the file's blocks" in logged
+    assert "Q6_K x1: dequantized, re-quantized as Q8_0" in logged
+    assert "Q5_K x1: Q8_M kernel on the file's blocks" in logged
     prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
     for got, want in zip(_logits(auto, prompts), _logits(dense, prompts), strict=True):
         assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
