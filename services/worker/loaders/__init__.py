@@ -210,24 +210,31 @@ def load_model(
         public = name or (path.stem if path.suffix == ".gguf" else path.name)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
-    file: FileWeights | None = None
-    if path.is_dir():
-        model, tokenizer, card = load_hf_dir(path, public)
-    elif path.suffix == ".gguf":
-        model, tokenizer, card, file = load_gguf(path, public)
-    else:
-        raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a model directory")
-    model = model.to(device=dev, dtype=dt).eval()
-    model.requires_grad_(False)
-    # auto on CPU: a quantized GGUF decodes from its blocks (its weights are that format already).
-    ready: LlamaModel | QuantizedLlama = model
     from services.worker import kernels
     from services.worker.loaders.gguf import is_quantized
 
+    file: FileWeights | None = None
+    gguf_auto = path.suffix == ".gguf" and dtype == "auto" and path.is_file()
+    wants_kernels = dev.type == "cpu" and (dtype == "int4" or gguf_auto)
+    k = kernels.load() if cpu_kernels and wants_kernels else None
+    if path.is_dir():
+        model, tokenizer, card = load_hf_dir(path, public)
+    elif path.suffix == ".gguf":
+        # auto on CPU with the kernels: the weights they read from the file's blocks never
+        # exist as dense fp32 (FileWeights.lazy), and the model below runs on them.
+        lazy = dtype == "auto" and k is not None and k.vectorized
+        model, tokenizer, card, file = load_gguf(path, public, lazy=lazy)
+    else:
+        raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a model directory")
+    if file is None or not file.lazy:  # a lazy model is CPU fp32 already, and partly meta
+        model = model.to(device=dev, dtype=dt)
+    model.eval().requires_grad_(False)
+    # auto on CPU: a quantized GGUF decodes from its blocks (its weights are that format already).
+    ready: LlamaModel | QuantizedLlama = model
     if dtype == "int4":
-        ready = quantize_for_cpu(model, kernels.load() if cpu_kernels else None)
+        ready = quantize_for_cpu(model, k)
     elif dtype == "auto" and dev.type == "cpu" and file is not None and is_quantized(file):
-        ready = quantize_for_cpu(model, kernels.load() if cpu_kernels else None, file)
+        ready = quantize_for_cpu(model, k, file)
     return LoadedModel(
         model=ready,
         tokenizer=tokenizer,

@@ -98,6 +98,7 @@ class FileWeights:
 
     types: dict[str, int] = field(default_factory=dict)
     blocks: dict[str, QuantBlocks] = field(default_factory=dict)
+    lazy: bool = False  # weights with blocks were loaded as meta placeholders, not dense
 
     def fused(self, names: list[str]) -> QuantBlocks | None:
         """The blocks of ``names`` stacked (one packed linear), or None when a part has no

@@ -39,19 +39,21 @@ from services.worker.models.blocks import (
     Q8_0,
     FileWeights,
     QuantBlocks,
+    dequantize_blocks,
     pack_blocks,
     pack_q4_1,
     pack_q8_0,
     type_name,
     unpack_q4_1,
 )
-from services.worker.models.llama import Attention, Block, LlamaModel
+from services.worker.models.llama import Attention, Block, LlamaConfig, LlamaModel
 
 __all__ = [
     "FORMATS",
     "Activations",
     "PackedLinear",
     "QuantizedLlama",
+    "fits",
     "pack_q4_1",
     "pack_q8_0",
     "supports",
@@ -64,22 +66,25 @@ log = logging.getLogger(__name__)
 FORMATS = {"q4_0": Q4_0, "q4_1": Q4_1, "q8_0": Q8_0}  # the kernels' weight formats
 
 
-def supports(model: nn.Module) -> bool:
-    """Whether the kernels fit ``model``: fp32 on CPU, every block matmul's inputs split into
-    32-value blocks and its outputs into groups of eight rows."""
-    if not isinstance(model, LlamaModel):
-        return False
-    cfg = model.config
+def fits(cfg: LlamaConfig) -> bool:
+    """Whether every block matmul's inputs split into 32-value blocks and its outputs into
+    groups of eight rows."""
     widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
     outputs = (cfg.hidden_size, 2 * cfg.intermediate_size, (cfg.num_heads + 2 * cfg.num_kv_heads))
-    weight = model.embed_tokens.weight
     return (
         all(w % QK == 0 for w in widths)
         and all(o % 8 == 0 for o in outputs[:2])
         and outputs[2] * cfg.head_dim % 8 == 0
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
     )
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether the kernels fit ``model``: fp32 on CPU (its norms: the weights may be meta
+    placeholders for blocks, ``FileWeights.lazy``) and widths that ``fits``."""
+    if not isinstance(model, LlamaModel):
+        return False
+    weight = model.norm.weight
+    return fits(model.config) and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 class PackedLinear:
@@ -153,6 +158,8 @@ class Packer:
             return linear
         four = all(self.file.types.get(n) in FOUR_BIT_TYPES for n in names)
         fmt = "q4_1" if four and weight.shape[0] % 8 == 0 else "q8_0"  # Q4_1: groups of 8 rows
+        if weight.is_meta:  # loaded lazily: every part has blocks (gguf._lazy_names)
+            weight = torch.cat([dequantize_blocks(self.file.blocks[n]) for n in names])
         for t in types:
             self.paths[t, f"dequantized, re-quantized as {fmt.upper()}"] += 1
         return PackedLinear(weight, bias, fmt)
@@ -234,7 +241,10 @@ class QuantizedLlama(nn.Module):
         head = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         self.head = packer.linear(model.lm_head.weight, model.lm_head.bias, head, "q8_0")
         log.info("CPU kernels, weights by type: %s", packer.summary())
-        _release_dense(model)  # after every PackedLinear above has copied what it needs
+        # Token embeddings from the file's blocks, a row per token dequantized when looked up
+        # (as the loader would, bit for bit), instead of a dense fp32 table.
+        self.embeddings = None if file is None else file.blocks.get("model.embed_tokens.weight")
+        _release_dense(model, embeddings=self.embeddings is not None)  # after the packing above
         self.layer_structs = (Layer * len(self.blocks))(*(b.struct() for b in self.blocks))
         self.struct = Model(
             cfg.num_layers,
@@ -270,7 +280,7 @@ class QuantizedLlama(nn.Module):
         k, cfg = self.kernels, self.config
         B, T = idx.shape
         rows, C, eps = B * T, cfg.hidden_size, cfg.rms_norm_eps
-        x = self.model.embed_tokens(idx).view(rows, C).contiguous()  # residual stream
+        x = self.embed(idx.reshape(rows))  # (rows, C) residual stream
         act = Activations(rows, self.act_width)
         qkv = torch.empty(rows, self.blocks[0].qkv.out_features)
         gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
@@ -291,6 +301,14 @@ class QuantizedLlama(nn.Module):
         logits = torch.empty(B * n_logits, self.head.out_features)
         self.head(k, head_in, logits)
         return logits.view(B, n_logits, -1)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) token ids -> (n, C) fp32 embeddings, contiguous."""
+        if self.embeddings is None:
+            return self.model.embed_tokens(ids).contiguous()
+        table = self.embeddings
+        rows = QuantBlocks(table.qtype, table.data[ids], (ids.shape[0], table.shape[1]))
+        return dequantize_blocks(rows).contiguous()
 
     def _scratch(self, rows: int, span: int) -> Scratch:
         """Buffers for ``rows`` rows attending over up to ``span`` keys (reused across steps)."""
@@ -315,7 +333,7 @@ class QuantizedLlama(nn.Module):
     def decode(self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
         """One new token per row: (B, 1) ids -> (B, 1, V) logits, in one call to the kernels."""
         B = idx.shape[0]
-        x = self.model.embed_tokens(idx.view(B)).contiguous()  # (B, C) residual stream
+        x = self.embed(idx.view(B))  # (B, C) residual stream
         logits = torch.empty(B, self.head.out_features)
         positions = batch.start_index.contiguous()  # (B,) the new token's position
         slots = batch.slot_index.contiguous()
@@ -338,19 +356,23 @@ class QuantizedLlama(nn.Module):
         return logits.view(B, 1, -1)
 
 
-def _release_dense(model: LlamaModel) -> None:
-    """Free the fp32 weights the packed blocks replace (7/8 of a 4-bit model's memory); the
-    dense model keeps embeddings, norms, RoPE tables and ``Attention.attend``, and can no longer
-    run its own forward."""
+def _release_dense(model: LlamaModel, *, embeddings: bool) -> None:
+    """Free the fp32 weights the packed blocks replace (7/8 of a 4-bit model's memory), and the
+    embedding table when ``embeddings`` (looked up from the file's blocks instead); the dense
+    model keeps norms, RoPE tables and ``Attention.attend``, and can no longer run its own
+    forward."""
     for layer in model.layers:
         block = cast(Block, layer)
         attn, mlp = block.self_attn, block.mlp
         for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj):
-            linear.weight.data = torch.empty(0)
+            if not linear.weight.is_meta:  # a meta placeholder holds no memory
+                linear.weight.data = torch.empty(0)
             if linear.bias is not None:
                 linear.bias.data = torch.empty(0)
-    if model.lm_head.weight is not model.embed_tokens.weight:
+    if model.lm_head.weight is not model.embed_tokens.weight and not model.lm_head.weight.is_meta:
         model.lm_head.weight.data = torch.empty(0)
+    if embeddings and not model.embed_tokens.weight.is_meta:
+        model.embed_tokens.weight.data = torch.empty(0)
 
 
 def _ptr(t: torch.Tensor | None) -> int:

@@ -26,7 +26,7 @@ from services.worker.kernels import (
     build,
 )
 from services.worker.kv_cache import build_batch
-from services.worker.loaders import load_model
+from services.worker.loaders import ModelLoadError, load_model
 from services.worker.loaders.gguf import load_gguf
 from services.worker.models.blocks import (
     BLOCK_BYTES,
@@ -290,6 +290,14 @@ def test_types_without_a_kernel_still_load_and_the_paths_are_logged(
     with caplog.at_level(logging.INFO):
         auto = load_model(str(path), device="cpu")
     assert isinstance(auto.model, QuantizedLlama)
+    # No dense fp32 copy of what the kernels read from blocks: meta placeholders, embeddings
+    # looked up from the file's Q4_0 rows; the F16 down projection loaded dense, then freed.
+    layers = auto.model.model.layers
+    assert layers[0].self_attn.qkv.weight.is_meta and layers[1].mlp.gate_up.weight.is_meta
+    assert auto.model.embeddings is not None and auto.model.model.embed_tokens.weight.is_meta
+    assert (
+        layers[1].mlp.down_proj.weight.numel() == 0 and not layers[1].mlp.down_proj.weight.is_meta
+    )
     blocks = auto.model.blocks
     assert blocks[0].qkv.fmt == "q8_0"  # Q4_0 q and k with a Q5_0 v: re-quantized as Q8_0
     assert blocks[1].qkv.fmt == "q4_0" and blocks[1].down.fmt == "q8_0"
@@ -365,3 +373,21 @@ def test_q4_k_m_mix_runs_on_the_kernels(tmp_path: Path, caplog: pytest.LogCaptur
     prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
     for got, want in zip(_logits(auto, prompts), _logits(dense, prompts), strict=True):
         assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+
+
+def test_lazy_load_still_rejects_non_finite_blocks(tmp_path: Path) -> None:
+    k = kernels.load()
+    if k is None or not k.vectorized:
+        pytest.skip("no vectorized CPU kernels here")
+    tk = tiny_tokenizer(380)
+    model = random_model("LlamaForCausalLM", tk.get_vocab_size(), seed=27)
+    bad = gguf.quants.quantize(
+        hf_state_dict(model)["model.layers.1.mlp.up_proj.weight"].numpy(), Q.Q8_0
+    )
+    bad[3, 0:2] = np.array([np.inf], dtype=np.float16).view(np.uint8)  # a block's f16 scale
+    path = tmp_path / "nan.gguf"
+    write_gguf(
+        path, model, tk, qtype=Q.Q8_0, tensor_override={"blk.1.ffn_up.weight": (bad, Q.Q8_0)}
+    )
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight holds NaN or infinite"):
+        load_model(str(path), device="cpu")
