@@ -273,6 +273,12 @@ void sl_gemm_q4_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
 
 void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd, const float *xs,
                  float *y, int accumulate) {
+    if (l->type & SL_X8) {
+        const int type = (int)(l->type & ~(int64_t)SL_X8);
+        gemm_q8x8_body(M, l->n, l->k, xq, xd, xs, (const int8_t *)l->q, l->d,
+                       type == SL_Q8_M ? l->m : NULL, type == SL_Q8_16, l->bias, y, accumulate);
+        return;
+    }
     switch (l->type) {
     case SL_Q8_0:
     case SL_Q8_M:

@@ -142,6 +142,117 @@ void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
     }
 }
 
+/* ---- eight rows interleaved (N % 8 == 0) ---------------------------------------------------
+ * For rows 8g..8g+7 and block b: eight 32-byte vectors, byte 4r + i of vector j holding row r's
+ * value 4j + i, then the scales [8] (Q8_16: [2][8], values 0..15 then 16..31) and minimums [8].
+ * As for Q4 (matmul.c), a broadcast of four activation bytes then feeds eight rows' dot
+ * products, and the scales are vectors: about half the instructions of the row-by-row tile. */
+#define Q8X8_BLOCK 256
+
+#if SL_AVX2
+static inline __m256i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* s + the eight rows' sums of four products |w| * (x with w's sign) */
+static inline __m256i dot4_acc(__m256i s, __m256i wabs, __m256i w, __m256i x4) {
+    const __m256i xs = _mm256_sign_epi8(x4, w);
+#if SL_VNNI
+    return dpbusd256(s, wabs, xs);
+#else
+    return _mm256_add_epi32(
+        s, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void
+q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg, const float *dg,
+          const float *mg, const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
+    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *wb = wg + b * Q8X8_BLOCK;
+        __m256i w[8], wabs[8]; /* loaded once for the mt rows */
+        for (int j = 0; j < 8; j++) {
+            w[j] = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+            wabs[j] = _mm256_sign_epi8(w[j], w[j]);
+        }
+        const __m256 d0 = _mm256_loadu_ps(dg + b * (sub16 ? 16 : 8));
+        const __m256 d1 = sub16 ? _mm256_loadu_ps(dg + b * 16 + 8) : d0;
+        for (int t = 0; t < mt; t++) {
+            const int8_t *x = xq + t * K + b * QK;
+            __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) lo = dot4_acc(lo, wabs[j], w[j], bcast4(x + 4 * j));
+            for (int j = 4; j < 8; j++) hi = dot4_acc(hi, wabs[j], w[j], bcast4(x + 4 * j));
+            const __m256 xv = _mm256_set1_ps(xd[t * nb + b]);
+            if (sub16) {
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xv), _mm256_cvtepi32_ps(lo), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xv), _mm256_cvtepi32_ps(hi), acc[t]);
+            } else {
+                const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xv), dots, acc[t]);
+            }
+            if (mg)
+                acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mg + b * 8),
+                                         _mm256_set1_ps(xs[t * nb + b]), acc[t]);
+        }
+    }
+}
+#endif
+
+void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                    const float *xs, const int8_t *wq, const float *wd, const float *wm, int sub16,
+                    const float *bias, float *y, int accumulate) {
+    const int64_t nb = K / QK, per_block = sub16 ? 16 : 8;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / 8; g++) {
+        const int8_t *wg = wq + g * nb * Q8X8_BLOCK;
+        const float *dg = wd + g * nb * per_block, *mg = wm ? wm + g * nb * 8 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            float out[MT][8];
+#if SL_AVX2
+            __m256 acc[MT];
+            const int8_t *x = xq + m0 * K;
+            const float *d = xd + m0 * nb, *s = xs ? xs + m0 * nb : NULL;
+            if (sub16) {
+                DISPATCH_TILE(q8x8_tile, mt, 1, nb, K, wg, dg, mg, x, d, s, acc)
+            } else {
+                DISPATCH_TILE(q8x8_tile, mt, 0, nb, K, wg, dg, mg, x, d, s, acc)
+            }
+            for (int t = 0; t < mt; t++) _mm256_storeu_ps(out[t], acc[t]);
+#else
+            for (int t = 0; t < mt; t++) {
+                const int64_t row = m0 + t;
+                for (int r = 0; r < 8; r++) {
+                    float sum = 0.0f;
+                    for (int64_t b = 0; b < nb; b++) {
+                        const int8_t *wb = wg + b * Q8X8_BLOCK;
+                        const int8_t *x = xq + row * K + b * QK;
+                        int dot[2] = {0, 0}; /* values 0..15 and 16..31 */
+                        for (int j = 0; j < 8; j++)
+                            for (int i = 0; i < 4; i++)
+                                dot[j / 4] += wb[32 * j + 4 * r + i] * x[4 * j + i];
+                        const float xv = xd[row * nb + b];
+                        if (sub16)
+                            sum += dg[b * 16 + r] * xv * (float)dot[0] +
+                                   dg[b * 16 + 8 + r] * xv * (float)dot[1];
+                        else
+                            sum += dg[b * 8 + r] * xv * (float)(dot[0] + dot[1]);
+                        if (mg) sum += mg[b * 8 + r] * xs[row * nb + b];
+                    }
+                    out[t][r] = sum;
+                }
+            }
+#endif
+            for (int t = 0; t < mt; t++)
+                for (int r = 0; r < 8; r++)
+                    store(y + (m0 + t) * N + g * 8 + r, out[t][r], bias, g * 8 + r, accumulate);
+        }
+    }
+}
+
 void sl_gemm_q8_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                   const int8_t *wq, const float *wd, const float *bias, float *y, int accumulate,
                   int nthreads) {

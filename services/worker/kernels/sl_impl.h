@@ -90,6 +90,10 @@ SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *x
 SL_INTERNAL void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                               const float *xs, const int8_t *wq, const float *wd, const float *wm,
                               int sub16, const float *bias, float *y, int accumulate);
+/* the same, eight rows interleaved (SL_X8: q8.c documents the layout) */
+SL_INTERNAL void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                                const float *xs, const int8_t *wq, const float *wd, const float *wm,
+                                int sub16, const float *bias, float *y, int accumulate);
 /* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
 SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                              const float *xs, float *y, int accumulate);

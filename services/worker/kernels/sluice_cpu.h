@@ -44,6 +44,7 @@ enum {
     SL_Q8_0 = 8,
     SL_Q8_M = 64,  /* int8 values, a scale and a minimum per 32: Q5_1, Q5_K */
     SL_Q8_16 = 65, /* int8 values, a scale per 16: Q6_K */
+    SL_X8 = 256,   /* flag on the Q8 formats: eight rows interleaved (N % 8 == 0; see q8.c) */
 };
 
 /* The GGUF blocks the formats come from (ggml's block_q4_0 etc.; d and m are IEEE halves). The

@@ -38,9 +38,11 @@ __all__ = [
     "FOUR_BIT_TYPES",
     "INTERLEAVED",
     "KERNEL_TYPES",
+    "X8",
     "FileWeights",
     "QuantBlocks",
     "dequantize_blocks",
+    "interleave_q8",
     "pack_blocks",
     "pack_q4_1",
     "pack_q8_0",
@@ -52,6 +54,7 @@ QK = 32
 # GGML type ids (ggml.h GGML_TYPE_*), as sluice_cpu.h's SL_* constants number them.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 Q8_M, Q8_16 = 64, 65  # sluice's int8 layouts (sluice_cpu.h SL_Q8_M, SL_Q8_16)
+X8 = 256  # flag on an int8 format: eight rows interleaved (SL_X8)
 QK_K = 256  # values per K-quant super-block
 # A kernel reads these blocks exactly: as they are, or re-laid out (pack_blocks).
 KERNEL_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K})
@@ -217,6 +220,22 @@ def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.
         return Q4_1, _interleave(nibbles), _by_group(scale), _by_group(low)
     values = q.to(torch.int8).reshape(n, k)
     return fmt, values, scale.contiguous(), None if low is None else low.contiguous()
+
+
+def interleave_q8(
+    fmt: int, values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """An int8 format's rows (N % 8 == 0) -> eight rows interleaved (``q8.c``): for rows
+    8g..8g+7 and block b, byte ``32 j + 4 r + i`` holds row r's value ``4 j + i``; scales
+    (N/8, nb, 8) ((N/8, nb, 2, 8) for Q8_16) and minimums (N/8, nb, 8) side by side."""
+    n, k = values.shape
+    g, nb = n // 8, k // QK
+    packed = values.reshape(g, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb * 256)
+    if fmt == Q8_16:  # (N, 2 nb) -> (G, nb, 2, 8)
+        grouped = scales.reshape(g, 8, nb, 2).permute(0, 2, 3, 1).contiguous()
+    else:
+        grouped = _by_group(scales)
+    return packed.contiguous(), grouped, None if minimums is None else _by_group(minimums)
 
 
 def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

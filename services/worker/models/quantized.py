@@ -37,9 +37,11 @@ from services.worker.models.blocks import (
     Q4_0,
     Q4_1,
     Q8_0,
+    X8,
     FileWeights,
     QuantBlocks,
     dequantize_blocks,
+    interleave_q8,
     pack_blocks,
     pack_q4_1,
     pack_q8_0,
@@ -106,7 +108,11 @@ class PackedLinear:
             self.type = FORMATS[fmt]
             self.q, self.d = pack_q8_0(weight)
         self.fmt = type_name(self.type).lower()
-        self.m = m  # Q4_1's minimums; the other formats have none
+        self.layout = self.type  # sl_linear.type: the format, | X8 when its rows are interleaved
+        if self.type not in INTERLEAVED and self.out_features % 8 == 0:
+            self.layout |= X8
+            self.q, self.d, m = interleave_q8(self.type, self.q, self.d, m)
+        self.m = m  # minimums (Q4_1, Q8_M); the other formats have none
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.view = self.struct()  # one struct for every call (its buffers live as long as self)
 
@@ -119,7 +125,7 @@ class PackedLinear:
             _ptr(self.bias),
             self.out_features,
             self.in_features,
-            self.type,
+            self.layout,
         )
 
     def __call__(

@@ -32,6 +32,7 @@ from services.worker.models.blocks import (
     BLOCK_BYTES,
     Q8_16,
     Q8_M,
+    X8,
     QuantBlocks,
     dequantize_blocks,
     pack_blocks,
@@ -190,6 +191,20 @@ def test_gemm_on_grid_equals_float_math(k: Kernels, qtype: Q, m: int) -> None:
     y = start.clone()
     linear(k, a, y, accumulate=True)
     _assert_matmul(y, a, w, bias + start)
+
+
+@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_1, Q.Q5_K, Q.Q6_K])
+def test_int8_formats_row_by_row_and_interleaved(k: Kernels, qtype: Q, m: int) -> None:
+    """Eight rows interleaved when N % 8 == 0, else row by row: the same products."""
+    for n in (36, 48):
+        blocks, w = _grid(qtype, n, 256, seed=m + n)
+        linear = PackedLinear(blocks, None)
+        assert bool(linear.layout & X8) == (n % 8 == 0)
+        a = _activations(m, 256, seed=200 + m)
+        y = torch.full((m, n), float("nan"))
+        linear(k, a, y)
+        _assert_matmul(y, a, w, torch.zeros(m, n))
 
 
 def test_gemm_q4_0_entry_point(k: Kernels) -> None:
