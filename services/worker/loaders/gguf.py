@@ -25,7 +25,7 @@ from services.worker.models.blocks import (
     KERNEL_TYPES,
     FileWeights,
     QuantBlocks,
-    dequantize_blocks,
+    finite,
 )
 from services.worker.models.llama import LlamaModel, WeightError
 from services.worker.models.quantized import fits
@@ -211,7 +211,7 @@ def _tensors(
             blocks = QuantBlocks(int(qtype), raw.contiguous(), (shape[0], shape[1]))
             file.blocks[name] = blocks
             if name in lazy:
-                if not torch.isfinite(dequantize_blocks(blocks)).all():
+                if not finite(blocks):
                     raise ModelLoadError(f"tensor {t.name} holds NaN or infinite values")
                 out[name] = torch.empty(shape, device="meta")
                 continue

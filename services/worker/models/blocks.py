@@ -42,6 +42,7 @@ __all__ = [
     "FileWeights",
     "QuantBlocks",
     "dequantize_blocks",
+    "finite",
     "interleave_q8",
     "pack_blocks",
     "pack_q4_1",
@@ -64,6 +65,10 @@ INTERLEAVED = frozenset({Q4_0, Q4_1, Q4_K})  # packed in groups of eight rows (N
 BLOCK_BYTES = {Q4_0: sizeof(BlockQ4_0), Q4_1: sizeof(BlockQ4_1), Q8_0: sizeof(BlockQ8_0)}
 BLOCK_BYTES |= {Q5_0: sizeof(BlockQ5_0), Q5_1: sizeof(BlockQ5_1)}
 BLOCK_BYTES |= {Q4_K: sizeof(BlockQ4K), Q5_K: sizeof(BlockQ5K), Q6_K: sizeof(BlockQ6K)}  # per 256
+# Where each type keeps its f16 scales (and minimums) in a block: the only fields that can hold a
+# NaN or an infinity (the rest are small integers).
+HALVES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2)}
+HALVES |= {Q5_K: (0, 2), Q6_K: (208,)}
 _NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 _NAMES |= {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 _NAMES |= {Q8_M: "Q8_M", Q8_16: "Q8_16"}
@@ -92,6 +97,12 @@ class QuantBlocks:
         return QuantBlocks(
             parts[0].qtype, torch.cat([p.data for p in parts]), (rows, parts[0].shape[1])
         )
+
+
+def finite(b: QuantBlocks) -> bool:
+    """Whether every weight the blocks encode is finite (their f16 halves are)."""
+    raw = b.data.view(-1, BLOCK_BYTES[b.qtype])
+    return all(bool(torch.isfinite(_f16(raw, at)).all()) for at in HALVES[b.qtype])
 
 
 @dataclass

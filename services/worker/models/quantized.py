@@ -1,4 +1,4 @@
-"""A Llama-family model's decode step on sluice's CPU kernels (Q4_0 / Q4_1 / Q8_0 blocks).
+"""A Llama-family model's decode step on sluice's CPU kernels (GGUF Q4/Q5/Q6/Q8 blocks).
 
 Owns packing a loaded ``LlamaModel``'s linears into the kernels' block formats and
 ``QuantizedLlama``, which runs a decode step (one new token per row) as one call into
@@ -10,12 +10,13 @@ Prefill (many tokens per row) runs the same kernels for every matmul (the interl
 beats oneDNN's fp32 GEMM by ~1.5x at prefill sizes on AVX2) and the dense model's own
 ``Attention.attend`` (torch SDPA) for attention. The dense linears are then freed.
 
-Where each linear comes from (``Packer``): a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks are packed as
-they are (``models.blocks``: exact). Any other type (K-quants, Q5, F16) and a fused linear whose
-parts differ in type are re-quantized from the dense weights: as Q4_1 when every part was 4-bit
-(a Q4_1 or Q4_K sub-block is ``w = d * q + m`` over 32 weights, which re-quantizing reproduces
-whenever the block spans 0..15), as Q8_0 otherwise. Without a file (``dtype=int4``, an fp32
-model) the blocks are Q4_1 and the head Q8_0.
+Where each linear comes from (``Packer``): a GGUF file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K and Q6_K blocks are packed exactly (``models.blocks``: the 4-bit ones into the interleaved
+Q4 layouts, the 5-, 6- and 8-bit ones into int8 layouts), and the token embeddings are looked up
+from the file's blocks. Any other type (F16, Q3_K, IQ*) and a fused linear whose parts differ in
+type are re-quantized from dense weights: as Q4_1 when every part was 4-bit, as Q8_0 (near
+lossless) otherwise. Without a file (``dtype=int4``, an fp32 model) the blocks are Q4_1 and the
+head Q8_0. The path each tensor type took is logged once per load.
 """
 
 from __future__ import annotations
