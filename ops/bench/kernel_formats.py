@@ -3,7 +3,8 @@
 For each GGUF given (e.g. the default Q4_1 and copies written by ``ops/bench/requantize.py``)
 and each kernel build (native: AVX-512 VNNI where the CPU has it; ``avx2``: -mavx2 -mfma only),
 times one 190-token prefill (B = 1) and decode steps at B = 1 and B = 16 with ~200 cached tokens,
-in-process, without the scheduler. Builds and files alternate inside each repeat, so a
+in-process, without the scheduler (``--allow-dense``: files that load as dense torch models, e.g.
+with an older checkout on PYTHONPATH, are timed the same way). Builds and files alternate inside each repeat, so a
 neighbour's load hits them alike; the medians and the ratios against the first file's native
 build are printed as JSON. Run it on an idle machine (``uptime`` load below ~0.5).
 
@@ -33,7 +34,7 @@ CPU = torch.device("cpu")
 AVX2 = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
-def _cache(model: QuantizedLlama, slots: int) -> KVCache:
+def _cache(model: torch.nn.Module, slots: int) -> KVCache:
     c = model.config
     cache = KVCache(
         layers=c.num_layers,
@@ -49,7 +50,7 @@ def _cache(model: QuantizedLlama, slots: int) -> KVCache:
     return cache
 
 
-def measure(model: QuantizedLlama, steps: int) -> dict[str, float]:
+def measure(model: torch.nn.Module, steps: int) -> dict[str, float]:
     """Seconds: one prefill of PROMPT tokens, and a decode step (median) at B = 1 and 16."""
     out: dict[str, float] = {}
     g = torch.Generator().manual_seed(0)
@@ -78,6 +79,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--allow-dense", action="store_true", help="time files that load dense (torch) too"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     native = kernels.load()
@@ -85,14 +89,18 @@ def main() -> None:
     builds: dict[str, Kernels] = {native.isa: native}
     if native.isa != "avx2":
         builds["avx2"] = Kernels(build(flags=AVX2, directory=Path(tempfile.mkdtemp())))
-    models = {}
+    models: dict[str, torch.nn.Module] = {}
     for f in args.files:
         loaded = load_model(str(f), device="cpu").model
-        assert isinstance(loaded, QuantizedLlama), f"{f} does not run on the kernels"
+        ok = isinstance(loaded, QuantizedLlama) or args.allow_dense
+        assert ok, f"{f} does not run on the kernels"
         models[f.name] = loaded
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     for _ in range(args.repeats):
         for name, model in models.items():
+            if not isinstance(model, QuantizedLlama):  # dense torch (--allow-dense)
+                runs.setdefault((name, "torch"), []).append(measure(model, args.steps))
+                continue
             for isa, k in builds.items():
                 model.kernels = k  # the packed weights do not depend on the build
                 runs.setdefault((name, isa), []).append(measure(model, args.steps))
