@@ -4,9 +4,9 @@ For each GGUF given (e.g. the default Q4_1 and copies written by ``ops/bench/req
 and each kernel build (native: AVX-512 VNNI where the CPU has it; ``avx2``: -mavx2 -mfma only),
 times one 190-token prefill (B = 1) and decode steps at B = 1 and B = 16 with ~200 cached tokens,
 in-process, without the scheduler (``--allow-dense``: files that load as dense torch models, e.g.
-with an older checkout on PYTHONPATH, are timed the same way). Builds and files alternate inside each repeat, so a
-neighbour's load hits them alike; the medians and the ratios against the first file's native
-build are printed as JSON. Run it on an idle machine (``uptime`` load below ~0.5).
+with an older checkout on PYTHONPATH, are timed the same way). Builds and files alternate inside
+each repeat, so a neighbour's load hits them alike; the medians and the ratios against the first
+file's native build are printed as JSON. Run it on an idle machine (``uptime`` load below ~0.5).
 
     .venv/bin/python ops/bench/kernel_formats.py /tmp/q4_1.gguf /tmp/q4_0.gguf /tmp/q8_0.gguf
 """
