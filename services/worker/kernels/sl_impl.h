@@ -35,7 +35,15 @@
 #define SL_AVX512_VNNI 0
 #endif
 
-#define MT 4 /* activation rows per weight pass: a weight block is unpacked once per MT rows */
+/* Activation rows per weight pass: a weight block is unpacked once per MT rows. Eight with
+ * AVX-512, whose 32 vector registers hold eight accumulators beside the unpacked block. */
+#ifndef MT
+#if SL_AVX512_VNNI
+#define MT 8
+#else
+#define MT 4
+#endif
+#endif
 
 /* ---- vector helpers ----------------------------------------------------------------------- */
 
@@ -108,6 +116,18 @@ static inline void store(float *y, float v, const float *bias, int64_t n, int ac
  * the compiler keep the accumulators in registers. */
 #define DISPATCH_TILE(fn, mt, ...)                                                                 \
     switch (mt) {                                                                                  \
+    case 8:                                                                                        \
+        fn(8, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 7:                                                                                        \
+        fn(7, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 6:                                                                                        \
+        fn(6, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 5:                                                                                        \
+        fn(5, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
     case 4:                                                                                        \
         fn(4, __VA_ARGS__);                                                                        \
         break;                                                                                     \
