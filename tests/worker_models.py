@@ -278,12 +278,44 @@ def write_gguf(
             w.add_tensor(target, a)
         elif kind == gguf.GGMLQuantizationType.F16:
             w.add_tensor(target, a.astype(np.float16))
+        elif kind == gguf.GGMLQuantizationType.Q4_K:  # gguf-py cannot write K-quants
+            w.add_tensor(target, quantize_q4_k(a), raw_dtype=kind)
         else:
             w.add_tensor(target, gguf.quants.quantize(a, kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def quantize_q4_k(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32, K % 256 == 0 -> GGUF Q4_K blocks (N, K / 256 * 144) uint8: per 32 values
+    w = (d sc) q - (dmin m), sc and m 6-bit, q 4-bit. A plain min/max quantizer (llama.cpp's
+    searches for better scales); the layout is ggml's block_q4_K, checked against gguf-py's
+    dequantization in the tests."""
+    n, k = a.shape
+    x = a.astype(np.float32).reshape(n, k // 256, 8, 32)
+    lo, hi = np.minimum(x.min(-1), 0.0), x.max(-1)
+    scale, mins = (hi - lo) / 15.0, -lo  # per sub-block, both >= 0
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = (mins.max(-1) / 63.0).astype(np.float16)
+
+    def six_bits(v: np.ndarray, by: np.ndarray) -> np.ndarray:
+        safe = np.where(by > 0, by.astype(np.float32), 1.0)[..., None]
+        return np.clip(np.rint(v / safe), 0, 63).astype(np.uint8)
+
+    sc, m = six_bits(scale, d), six_bits(mins, dmin)
+    step = d.astype(np.float32)[..., None] * sc
+    low = dmin.astype(np.float32)[..., None] * m
+    safe = np.where(step > 0, step, 1.0)[..., None]
+    q = np.clip(np.rint((x + low[..., None]) / safe), 0, 15).astype(np.uint8)
+    scales = np.zeros((n, k // 256, 12), dtype=np.uint8)
+    scales[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4)
+    qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(n, k // 256, 128)
+    halves = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)]
+    return np.concatenate([*halves, scales, qs], -1).reshape(n, -1)
 
 
 CPU = torch.device("cpu")
@@ -334,3 +366,5 @@ def gen(seed: int) -> torch.Generator:
 
 # The kernels' portable build: no -march=native, so the scalar loops (tests run both builds).
 SCALAR_KERNEL_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# The AVX2 + FMA variant without AVX-512 (tests run it where the native build picks AVX-512).
+AVX2_KERNEL_FLAGS = [*SCALAR_KERNEL_FLAGS, "-mavx2", "-mfma"]

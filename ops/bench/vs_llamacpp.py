@@ -261,15 +261,18 @@ def run_llama(
 # --- ours (this process) ----------------------------------------------------------------------
 
 
+MODEL = ["smollm2"]  # --model: the GGUF both engines load (set once by main)
+
+
 def render_prompts(n: int) -> tuple[str, list[list[int]]]:
     """The GGUF path and ``n`` ragged ~200-token prompts rendered by sluice's renderer."""
     from services.worker.loaders import default_model_path, load_model
     from shared.prompt import PromptRenderer
 
-    loaded = load_model("smollm2", name=None, device="cpu", dtype="float32")
+    loaded = load_model(MODEL[0], name="smollm2", device="cpu", dtype="float32")
     renderer = PromptRenderer(loaded.card, loaded.tokenizer)
     prompts = [list(renderer.render(job(i, 1, None)).token_ids) for i in range(n)]
-    return str(default_model_path()), prompts
+    return str(default_model_path() if MODEL[0] == "smollm2" else MODEL[0]), prompts
 
 
 def prompt_text(i: int) -> str:
@@ -329,7 +332,7 @@ def run_ours(
 
     torch.set_num_threads(threads)
     backend = TorchBackend.load(
-        Settings(threads=threads, max_batch=max(batches), dtype=dtype), "smollm2", None
+        Settings(threads=threads, max_batch=max(batches), dtype=dtype), MODEL[0], "smollm2"
     )
     rows: list[dict[str, Any]] = []
     tag = {"engine": "ours", "dtype": dtype, "threads": threads}
@@ -416,6 +419,8 @@ def run_stack(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
         "SLUICE_HOST": "127.0.0.1",
         "SLUICE_THREADS": str(threads),
         "SLUICE_DTYPE": args.stack_dtype,
+        "SLUICE_MODEL": MODEL[0],
+        "SLUICE_MODEL_NAME": "smollm2",  # the id the client asks for, whatever the file
     }
     sluice = str(Path(sys.executable).with_name("sluice"))
     procs = [
@@ -562,7 +567,9 @@ def main() -> None:
     p.add_argument("--stack-dtype", default="auto")
     p.add_argument("--max-others", type=float, default=0.2, help="flag repeats above (cores)")
     p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--model", default="smollm2", help="any GGUF of the default architecture")
     args = p.parse_args()
+    MODEL[0] = args.model
     if args.llama_child:
         llama_child(json.loads(Path(args.llama_child).read_text()))
         return

@@ -4,12 +4,20 @@ Owns compiling the C files with the machine's C compiler (``-O3 -march=native -f
 cache directory, loading the library, and stating its ABI on the Python side. Knows nothing about
 models: ``services.worker.models.kernel_llama`` decides what to call.
 
-The ABI is two things here, kept next to each other so a change to ``sluice_cpu.h`` has one
-Python place to follow: ``SIGNATURES`` (every exported function's argument types, set as ctypes
-``argtypes`` at load, so a wrong argument count fails loudly) and the ``ctypes.Structure``
-mirrors of the header's structs (``Linear``, ``Layer``, ``Model``, ``Scratch``). The activation
-kernels have typed methods on ``Kernels`` that take tensors; the GEMMs and the whole decode step
-are called directly as ``Kernels.lib.sl_*`` by the quantized model, which owns their buffers.
+The ABI is ``sluice_cpu.h``, which declares every exported function and struct (``sl_impl.h``
+holds what the C files share and nothing exported). Its Python side is kept here, so a change to
+the header has one place to follow: ``SIGNATURES`` (every exported function's argument types,
+set as ctypes ``argtypes`` at load, so a wrong argument count fails loudly) and the
+``ctypes.Structure`` mirrors of the header's structs (``MIRRORS``: the GGUF block structs and
+``Linear``, ``Layer``, ``Model``, ``Scratch``), whose sizes are compared with the library's
+``sl_sizeof`` at load (the C side asserts them statically). The activation kernels have typed
+methods on ``Kernels`` that take tensors; the GEMMs and the whole decode step are called directly
+as ``Kernels.lib.sl_*`` by the quantized model, which owns their buffers.
+
+The instruction set is chosen at build time from the compiler's target: ``-march=native``
+defines ``__AVX512VNNI__`` etc. on a CPU that has them, and the C picks AVX-512 VNNI, AVX2 + FMA
+or its generic loops (``Kernels.isa`` says which). The tests also build the portable scalar
+variant and an AVX2-only one and compare all of them to float64 references.
 
 Why ctypes and plain C rather than a torch extension: the files build in about two seconds
 with no torch headers, and a call costs a couple of microseconds. The library links the same
@@ -39,8 +47,13 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "MIRRORS",
     "QK",
     "Activations",
+    "BlockQ4K",
+    "BlockQ4_0",
+    "BlockQ4_1",
+    "BlockQ8_0",
     "Kernels",
     "Layer",
     "Linear",
@@ -53,18 +66,23 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "matmul.c", HERE / "decode.c"]  # and the header both include
-HEADER = HERE / "sluice_cpu.h"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+SOURCES = [HERE / "matmul.c", HERE / "q8.c", HERE / "decode.c"]
+HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
+WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *WARNINGS]
 
 _P, _I, _F = c_void_p, c_int64, c_float
 SIGNATURES: dict[str, list[type]] = {
     "sl_vectorized": [],
+    "sl_isa": [],
+    "sl_sizeof": [ctypes.c_char_p],
     "sl_quantize": [_P, _I, _I, _P, _P, _P, c_int],
     "sl_rmsnorm_quantize": [_P, _P, _F, _I, _I, _P, _P, _P, _P, c_int],
     "sl_swiglu_quantize": [_P, _I, _I, _P, _P, _P, _P, c_int],
     "sl_gemm_q4_1": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
     "sl_gemm_q8_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, c_int, c_int],
+    "sl_gemm_q4_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
+    "sl_linear_forward": [_P, _I, _P, _P, _P, _P, c_int, c_int],
     "sl_attention_decode": [
         *(_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _I, c_int)
     ],
@@ -72,10 +90,90 @@ SIGNATURES: dict[str, list[type]] = {
 }
 
 
-class Linear(ctypes.Structure):
-    """``sl_linear``: a packed linear's buffers (Q4_1, or Q8_0 for the head)."""
+class BlockQ4_0(ctypes.Structure):
+    """``sl_block_q4_0``: a GGUF Q4_0 block (f16 scale, 16 bytes of nibbles)."""
 
-    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("bias", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("d", ctypes.c_uint16), ("qs", ctypes.c_uint8 * 16)]
+
+
+class BlockQ4_1(ctypes.Structure):
+    """``sl_block_q4_1``: a GGUF Q4_1 block (f16 scale and minimum, 16 bytes of nibbles)."""
+
+    _fields_ = [("d", ctypes.c_uint16), ("m", ctypes.c_uint16), ("qs", ctypes.c_uint8 * 16)]
+
+
+class BlockQ8_0(ctypes.Structure):
+    """``sl_block_q8_0``: a GGUF Q8_0 block (f16 scale, 32 int8 values)."""
+
+    _fields_ = [("d", ctypes.c_uint16), ("qs", ctypes.c_int8 * 32)]
+
+
+class BlockQ5_0(ctypes.Structure):
+    """``sl_block_q5_0``: a GGUF Q5_0 block (f16 scale, 32 fifth bits, 16 bytes of nibbles)."""
+
+    _fields_ = [("d", ctypes.c_uint16), ("qh", ctypes.c_uint8 * 4), ("qs", ctypes.c_uint8 * 16)]
+
+
+class BlockQ5_1(ctypes.Structure):
+    """``sl_block_q5_1``: a GGUF Q5_1 block (Q5_0 with an f16 minimum)."""
+
+    _fields_ = [
+        ("d", ctypes.c_uint16),
+        ("m", ctypes.c_uint16),
+        ("qh", ctypes.c_uint8 * 4),
+        ("qs", ctypes.c_uint8 * 16),
+    ]
+
+
+class BlockQ5K(ctypes.Structure):
+    """``sl_block_q5_K``: a GGUF Q5_K super-block (Q4_K plus 32 bytes of fifth bits)."""
+
+    _fields_ = [
+        ("d", ctypes.c_uint16),
+        ("dmin", ctypes.c_uint16),
+        ("scales", ctypes.c_uint8 * 12),
+        ("qh", ctypes.c_uint8 * 32),
+        ("qs", ctypes.c_uint8 * 128),
+    ]
+
+
+class BlockQ6K(ctypes.Structure):
+    """``sl_block_q6_K``: a GGUF Q6_K super-block (low nibbles, high bit pairs, int8 scale per
+    16 values, f16 scale)."""
+
+    _fields_ = [
+        ("ql", ctypes.c_uint8 * 128),
+        ("qh", ctypes.c_uint8 * 64),
+        ("scales", ctypes.c_int8 * 16),
+        ("d", ctypes.c_uint16),
+    ]
+
+
+class BlockQ4K(ctypes.Structure):
+    """``sl_block_q4_K``: a GGUF Q4_K super-block of 256 values (f16 d and dmin, 12 bytes of
+    6-bit scales and minimums, 128 bytes of nibbles)."""
+
+    _fields_ = [
+        ("d", ctypes.c_uint16),
+        ("dmin", ctypes.c_uint16),
+        ("scales", ctypes.c_uint8 * 12),
+        ("qs", ctypes.c_uint8 * 128),
+    ]
+
+
+class Linear(ctypes.Structure):
+    """``sl_linear``: a packed linear's buffers and its format (``SL_*``: 2 Q4_0, 3 Q4_1, 8 Q8_0
+    as ggml numbers them, 64 Q8_M, 65 Q8_16)."""
+
+    _fields_ = [
+        ("q", _P),
+        ("d", _P),
+        ("m", _P),
+        ("bias", _P),
+        ("n", _I),
+        ("k", _I),
+        ("type", _I),
+    ]
 
 
 class Layer(ctypes.Structure):
@@ -144,7 +242,7 @@ def default_dir() -> Path:
 
 def _library_path(flags: list[str], directory: Path) -> Path:
     key = hashlib.sha256()
-    for path in (HEADER, *SOURCES):
+    for path in (*HEADERS, *SOURCES):
         key.update(path.read_bytes())
     for part in (" ".join(flags).encode(), platform.machine().encode()):
         key.update(part)
@@ -201,18 +299,53 @@ class Activations:
         self.rows, self.width = rows, width
 
 
+# Every struct of the ABI and its ctypes mirror: their sizes are compared at load.
+MIRRORS: dict[str, type[ctypes.Structure]] = {
+    "sl_block_q4_0": BlockQ4_0,
+    "sl_block_q4_1": BlockQ4_1,
+    "sl_block_q8_0": BlockQ8_0,
+    "sl_block_q5_0": BlockQ5_0,
+    "sl_block_q5_1": BlockQ5_1,
+    "sl_block_q4_K": BlockQ4K,
+    "sl_block_q5_K": BlockQ5K,
+    "sl_block_q6_K": BlockQ6K,
+    "sl_linear": Linear,
+    "sl_layer": Layer,
+    "sl_model": Model,
+    "sl_scratch": Scratch,
+}
+_RESTYPES: dict[str, type] = {
+    "sl_vectorized": c_int,
+    "sl_isa": ctypes.c_char_p,
+    "sl_sizeof": c_int64,
+}
+
+
 class Kernels:
     """The loaded library (``lib``, argtypes set from ``SIGNATURES``) and typed methods for the
     activation kernels, which pass tensors by address (no copies, no checks beyond what the
-    callers' shapes already guarantee)."""
+    callers' shapes already guarantee).
+
+    Raises:
+        RuntimeError: a struct's size differs from its ctypes mirror (the header and
+            ``MIRRORS`` disagree: calls would read garbage).
+    """
 
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
         for name, argtypes in SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.argtypes = argtypes
-            fn.restype = c_int if name == "sl_vectorized" else None
+            fn.restype = _RESTYPES.get(name)
+        for name, mirror in MIRRORS.items():
+            size = self.lib.sl_sizeof(name.encode())
+            if size != ctypes.sizeof(mirror):
+                raise RuntimeError(
+                    f"{path.name}: {name} is {size} bytes, its ctypes mirror "
+                    f"{mirror.__name__} {ctypes.sizeof(mirror)}"
+                )
         self.vectorized = bool(self.lib.sl_vectorized())
+        self.isa: str = self.lib.sl_isa().decode()  # avx512vnni, avx2+vnni, avx2 or scalar
 
     @staticmethod
     def threads() -> int:
@@ -258,6 +391,7 @@ def load(directory: Path | None = None) -> Kernels | None:
             _tried = True
             try:
                 _loaded = Kernels(build(directory=directory))
+                log.info("sluice CPU kernels: %s", _loaded.isa)
             except (OSError, RuntimeError) as exc:
                 log.warning("sluice CPU kernels unavailable, using torch's int4 kernels: %s", exc)
         return _loaded

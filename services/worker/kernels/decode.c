@@ -1,5 +1,5 @@
 /* Decode attention and the whole decode step (layouts: sluice_cpu.h). */
-#include "sluice_cpu.h"
+#include "sl_impl.h"
 
 /* ---- decode attention: one new token per row ---------------------------------------------- */
 
@@ -155,41 +155,6 @@ void sl_attention_decode(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qk
 
 /* ---- a whole decode step ------------------------------------------------------------------ */
 
-/* These structs are mirrored field by field by the ctypes Structures in __init__.py (Linear,
- * Layer, Model, Scratch): change both together. */
-
-/* A Q4_1 (or, for the head, Q8_0) linear: weights, scales, minimums, optional bias. */
-typedef struct {
-    const void *q;
-    const float *d, *m, *bias;
-    int64_t n, k;
-} sl_linear;
-
-typedef struct {
-    const float *input_norm, *post_norm, *q_norm, *k_norm;
-    sl_linear qkv, o, gate_up, down;
-} sl_layer;
-
-typedef struct {
-    int64_t layers, hidden, inner, heads, kv_heads, head_dim;
-    float eps;
-    const float *cos, *sin, *final_norm;
-    const sl_layer *layer;
-    sl_linear head;
-} sl_model;
-
-/* Per-step buffers, sized for B rows by the caller. */
-typedef struct {
-    int8_t *xq; /* B x max(hidden, inner, heads * head_dim) */
-    float *xd, *xs, *tmp;
-    float *qkv, *attended, *gate_up, *scores; /* scores: B * heads * span */
-} sl_scratch;
-
-static void q4_linear(const sl_linear *l, int64_t M, const sl_scratch *w, float *y, int acc) {
-    gemm_q4_1_body(M, l->n, l->k, w->xq, w->xd, w->xs, (const uint8_t *)l->q, l->d, l->m, l->bias,
-                   y, acc);
-}
-
 /* x: [B, hidden] embeddings in, final hidden state out; logits: [B, vocab]. One parallel region
  * for the whole step: the threads meet at barriers between stages instead of being started and
  * joined ~270 times. */
@@ -203,19 +168,18 @@ void sl_decode(const sl_model *m, int64_t B, float *x, const int64_t *pos, const
         for (int64_t i = 0; i < m->layers; i++) {
             const sl_layer *L = m->layer + i;
             rmsnorm_quantize_body(x, L->input_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
-            q4_linear(&L->qkv, B, w, w->qkv, 0);
+            linear_body(&L->qkv, B, w->xq, w->xd, w->xs, w->qkv, 0);
             attention_decode_body(B, H, KV, hd, w->qkv, m->cos, m->sin, pos, slots,
                                   kc + i * layer_elems, vc + i * layer_elems, capacity, L->q_norm,
                                   L->k_norm, m->eps, w->attended, w->scores, span);
             quantize_body(w->attended, B, H * hd, w->xq, w->xd, w->xs);
-            q4_linear(&L->o, B, w, x, 1);
+            linear_body(&L->o, B, w->xq, w->xd, w->xs, x, 1);
             rmsnorm_quantize_body(x, L->post_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
-            q4_linear(&L->gate_up, B, w, w->gate_up, 0);
+            linear_body(&L->gate_up, B, w->xq, w->xd, w->xs, w->gate_up, 0);
             swiglu_quantize_body(w->gate_up, B, m->inner, w->xq, w->xd, w->xs, w->tmp);
-            q4_linear(&L->down, B, w, x, 1);
+            linear_body(&L->down, B, w->xq, w->xd, w->xs, x, 1);
         }
         rmsnorm_quantize_body(x, m->final_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
-        gemm_q8_0_body(B, m->head.n, m->head.k, w->xq, w->xd, (const int8_t *)m->head.q, m->head.d,
-                       m->head.bias, logits, 0);
+        linear_body(&m->head, B, w->xq, w->xd, w->xs, logits, 0);
     }
 }

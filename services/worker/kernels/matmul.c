@@ -1,7 +1,33 @@
-/* Activation quantization and the quantized GEMMs (layouts: sluice_cpu.h). */
-#include "sluice_cpu.h"
+/* Activation quantization, the 4-bit GEMMs and the per-format dispatch (layouts: sluice_cpu.h;
+ * the int8-weight GEMMs: q8.c). */
+#include "sl_impl.h"
 
-int sl_vectorized(void) { return SL_AVX2; }
+int sl_vectorized(void) { return SL_AVX2 ? (SL_AVX512_VNNI ? 2 : 1) : 0; }
+
+const char *sl_isa(void) {
+    if (SL_AVX512_VNNI) return "avx512vnni";
+    if (SL_VNNI) return "avx2+vnni";
+    return SL_AVX2 ? "avx2" : "scalar";
+}
+
+int64_t sl_sizeof(const char *name) {
+#define SL_SIZE(type)                                                                              \
+    if (strcmp(name, #type) == 0) return (int64_t)sizeof(type);
+    SL_SIZE(sl_block_q4_0)
+    SL_SIZE(sl_block_q4_1)
+    SL_SIZE(sl_block_q8_0)
+    SL_SIZE(sl_block_q5_0)
+    SL_SIZE(sl_block_q5_1)
+    SL_SIZE(sl_block_q4_K)
+    SL_SIZE(sl_block_q5_K)
+    SL_SIZE(sl_block_q6_K)
+    SL_SIZE(sl_linear)
+    SL_SIZE(sl_layer)
+    SL_SIZE(sl_model)
+    SL_SIZE(sl_scratch)
+#undef SL_SIZE
+    return -1;
+}
 
 /* ---- activation quantization ------------------------------------------------------------- */
 
@@ -126,84 +152,6 @@ void sl_swiglu_quantize(const float *gu, int64_t M, int64_t I, int8_t *xq, float
 
 /* ---- quantized matmuls: y[m, n] (+)= sum_k x[m, k] w[n, k] (+ bias[n]) ------------------- */
 
-static inline void store(float *y, float v, const float *bias, int64_t n, int accumulate) {
-    if (bias) v += bias[n];
-    if (accumulate) v += *y;
-    *y = v;
-}
-
-/* One Q8_0 output row against mt (<= MT) activation rows. always_inline + a literal mt per call
- * site (DISPATCH_TILE) lets the compiler keep the accumulators in registers. */
-#if SL_AVX2
-static inline __attribute__((always_inline)) void q8_0_tile(const int mt, int64_t nb, int64_t K,
-                                                            const int8_t *wr, const float *dr,
-                                                            const int8_t *xq, const float *xd,
-                                                            float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MT];
-    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
-    int64_t b = 0;
-    if (mt == 1) { /* one row (decode): two chains, so the FMA latency is not the bound */
-        __m256 acc2 = _mm256_setzero_ps();
-        for (; b + 2 <= nb; b += 2) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wr + (b + 1) * QK));
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
-            const __m256i d0 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
-            const __m256i d1 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones);
-            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * xd[b]), _mm256_cvtepi32_ps(d0), acc[0]);
-            acc2 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b + 1] * xd[b + 1]), _mm256_cvtepi32_ps(d1),
-                                   acc2);
-        }
-        acc[0] = _mm256_add_ps(acc[0], acc2);
-    }
-    for (; b < nb; b++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
-        const __m256i wabs = _mm256_sign_epi8(w, w); /* maddubs wants one unsigned side */
-        for (int t = 0; t < mt; t++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * QK));
-            const __m256i dot =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones);
-            const __m256 scale = _mm256_set1_ps(dr[b] * xd[t * nb + b]);
-            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[t]);
-        }
-    }
-    for (int t = 0; t < mt; t++) out[t] = hsum(acc[t]);
-}
-#else
-static void q8_0_tile(const int mt, int64_t nb, int64_t K, const int8_t *wr, const float *dr,
-                      const int8_t *xq, const float *xd, float *out) {
-    for (int t = 0; t < mt; t++) {
-        float sum = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            int dot = 0;
-            for (int j = 0; j < QK; j++) dot += wr[b * QK + j] * xq[t * K + b * QK + j];
-            sum += dr[b] * xd[t * nb + b] * (float)dot;
-        }
-        out[t] = sum;
-    }
-}
-#endif
-
-#define DISPATCH_TILE(fn, mt, ...)                                                                 \
-    switch (mt) {                                                                                  \
-    case 4:                                                                                        \
-        fn(4, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 3:                                                                                        \
-        fn(3, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 2:                                                                                        \
-        fn(2, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    default:                                                                                       \
-        fn(1, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    }
-
 /* Q4_1 weights, eight rows interleaved: for rows 8g..8g+7 and block b, four 32-byte vectors
  * whose byte 4r + i (row r) holds value 4j + i in its low nibble and value 16 + 4j + i in its high
  * nibble (j = 0..3), then eight scales and eight minimums. One register then carries four values
@@ -224,23 +172,36 @@ static inline __m256i bcast4(const int8_t *x) {
 static inline __attribute__((always_inline)) void
 q4x8_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wg, const float *dg, const float *mg,
           const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wg + b * Q4X8_BLOCK;
-        const __m256 d = _mm256_loadu_ps(dg + b * 8), m = _mm256_loadu_ps(mg + b * 8);
-        __m256i raw[4];
-        for (int j = 0; j < 4; j++) raw[j] = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+        /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
+        const __m256 d = _mm256_loadu_ps(dg + b * 8);
+        const __m256 m = mg ? _mm256_loadu_ps(mg + b * 8) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        __m256i lo[4], hi[4]; /* unpacked once for the mt rows */
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+            lo[j] = _mm256_and_si256(raw, low);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
         for (int t = 0; t < mt; t++) {
             const int8_t *x = xq + t * K + b * QK;
+#if SL_VNNI /* int32 sums straight from the bytes */
+            __m256i s32 = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                s32 = dpbusd256(s32, lo[j], bcast4(x + 4 * j));
+                s32 = dpbusd256(s32, hi[j], bcast4(x + 16 + 4 * j));
+            }
+            const __m256 dots = _mm256_cvtepi32_ps(s32);
+#else
             __m256i s16 = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
-                const __m256i lo = _mm256_and_si256(raw[j], low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw[j], 4), low);
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, bcast4(x + 4 * j)));
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, bcast4(x + 16 + 4 * j)));
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[j], bcast4(x + 4 * j)));
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[j], bcast4(x + 16 + 4 * j)));
             }
-            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+#endif
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
             acc[t] = _mm256_fmadd_ps(scale, dots, acc[t]);
             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * nb + b]), acc[t]);
@@ -256,7 +217,7 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
         const uint8_t *wg = wq + g * nb * Q4X8_BLOCK;
-        const float *dg = wd + g * nb * 8, *mg = wm + g * nb * 8;
+        const float *dg = wd + g * nb * 8, *mg = wm ? wm + g * nb * 8 : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = M - m0 < MT ? (int)(M - m0) : MT;
             float out[MT][8];
@@ -281,8 +242,9 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
                                 dot +=
                                     (byte & 0x0F) * x[4 * j + i] + (byte >> 4) * x[16 + 4 * j + i];
                             }
-                        sum += dg[b * 8 + r] * xd[row * nb + b] * (float)dot +
-                               mg[b * 8 + r] * xs[row * nb + b];
+                        const float mr = mg ? mg[b * 8 + r] : -8.0f * dg[b * 8 + r];
+                        sum +=
+                            dg[b * 8 + r] * xd[row * nb + b] * (float)dot + mr * xs[row * nb + b];
                     }
                     out[t][r] = sum;
                 }
@@ -302,26 +264,41 @@ void sl_gemm_q4_1(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
     gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
 }
 
-void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                    const int8_t *wq, const float *wd, const float *bias, float *y,
-                    int accumulate) {
-    const int64_t nb = K / QK;
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *wr = wq + n * K;
-        const float *dr = wd + n * nb;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            float out[MT] = {0};
-            DISPATCH_TILE(q8_0_tile, mt, nb, K, wr, dr, xq + m0 * K, xd + m0 * nb, out)
-            for (int t = 0; t < mt; t++) store(y + (m0 + t) * N + n, out[t], bias, n, accumulate);
-        }
+void sl_gemm_q4_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                  const float *xs, const uint8_t *wq, const float *wd, const float *bias, float *y,
+                  int accumulate, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, NULL, bias, y, accumulate);
+}
+
+void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd, const float *xs,
+                 float *y, int accumulate) {
+    if (l->type & SL_X8) {
+        const int type = (int)(l->type & ~(int64_t)SL_X8);
+        gemm_q8x8_body(M, l->n, l->k, xq, xd, xs, (const int8_t *)l->q, l->d,
+                       type == SL_Q8_M ? l->m : NULL, type == SL_Q8_16, l->bias, y, accumulate);
+        return;
+    }
+    switch (l->type) {
+    case SL_Q8_0:
+    case SL_Q8_M:
+    case SL_Q8_16:
+        gemm_q8_body(M, l->n, l->k, xq, xd, xs, (const int8_t *)l->q, l->d,
+                     l->type == SL_Q8_M ? l->m : NULL, l->type == SL_Q8_16, l->bias, y, accumulate);
+        break;
+    case SL_Q4_0: /* the Q4_1 GEMM without minimums */
+        gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, NULL, l->bias, y,
+                       accumulate);
+        break;
+    default:
+        gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, l->m, l->bias, y,
+                       accumulate);
+        break;
     }
 }
 
-void sl_gemm_q8_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                  const int8_t *wq, const float *wd, const float *bias, float *y, int accumulate,
-                  int nthreads) {
+void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
+                       const float *xs, float *y, int accumulate, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
-    gemm_q8_0_body(M, N, K, xq, xd, wq, wd, bias, y, accumulate);
+    linear_body(l, M, xq, xd, xs, y, accumulate);
 }

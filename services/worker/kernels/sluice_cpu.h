@@ -11,85 +11,165 @@
  *   activations  xq int8 [M, K], xd float [M, nb] (scale), xs float [M, nb] (scale * sum of q)
  *   Q4_1 weight  eight rows interleaved (N % 8 == 0): wq uint8 [N/8, nb, 128], wd and wm float
  *                [N/8, nb, 8] (scale, minimum): w = wd * q + wm; see gemm_q4_1_body
- *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q
+ *   Q4_0 weight  as Q4_1 without the minimums: w = wd * (q - 8)
+ *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q (also Q5_0, as q - 16)
+ *   Q8_M weight  Q8_0 plus wm float [N, nb]: w = wd * q + wm (Q5_1, Q5_K: q in 0..31)
+ *   Q8_16 weight wq int8 [N, nb, 32], wd float [N, 2 nb]: one scale per 16 values (Q6_K)
  *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] floats
  *
  * Threads: every entry point takes nthreads and uses OpenMP, the same libgomp torch loaded, so
  * the two share one thread pool instead of fighting over the cores.
- * Without AVX2 + FMA the scalar loops compute the same results (slowly).
  *
- * Files: sluice_cpu.h (this: layouts, vector helpers, the shared stage functions), matmul.c
- * (activation quantization, the Q4_1 and Q8_0 GEMMs), decode.c (attention, the decode step).
+ * Instruction sets, chosen at build time from the compiler's target (-march=native): AVX-512
+ * VNNI (vpdpbusd: four byte products summed into int32 in one instruction), else AVX2 + FMA,
+ * else the generic scalar loops, which are the reference the tests compare every variant to.
+ * Each SIMD variant sits beside the generic code it replaces and computes the same results.
+ *
+ * Files: sluice_cpu.h (this: the ABI: every exported function and struct), sl_impl.h (vector
+ * helpers, the stages shared between files), matmul.c (activation quantization, the GEMMs),
+ * decode.c (attention, the decode step).
  */
 #ifndef SLUICE_CPU_H
 #define SLUICE_CPU_H
 
-#include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SL_AVX2 1
-#else
-#define SL_AVX2 0
-#endif
+#define QK 32 /* values per quantization block */
 
-#define QK 32
-#define MT 4 /* activation rows per weight pass: a weight block is unpacked once per MT rows */
+/* Weight formats: the first three numbered as ggml numbers its types (GGML_TYPE_*), the others
+ * sluice's own int8 layouts that hold the 5- and 6-bit GGUF types exactly. */
+enum {
+    SL_Q4_0 = 2,
+    SL_Q4_1 = 3,
+    SL_Q8_0 = 8,
+    SL_Q8_M = 64,  /* int8 values, a scale and a minimum per 32: Q5_1, Q5_K */
+    SL_Q8_16 = 65, /* int8 values, a scale per 16: Q6_K */
+    SL_X8 = 256,   /* flag on the Q8 formats: eight rows interleaved (N % 8 == 0; see q8.c) */
+};
 
-/* ---- vector helpers ----------------------------------------------------------------------- */
+/* The GGUF blocks the formats come from (ggml's block_q4_0 etc.; d and m are IEEE halves). The
+ * loader packs them into the layouts above; their sizes are part of the ABI (sl_sizeof). */
+typedef struct {
+    uint16_t d;
+    uint8_t qs[QK / 2]; /* value i in the low nibble of byte i, value 16 + i in its high nibble */
+} sl_block_q4_0;
 
-#if SL_AVX2
-static inline float hsum(__m256 v) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r);
-}
+typedef struct {
+    uint16_t d, m;
+    uint8_t qs[QK / 2];
+} sl_block_q4_1;
 
-/* e^x for 8 floats (Cephes' polynomial, relative error ~2e-7), inputs clamped to [-87, 88]. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+typedef struct {
+    uint16_t d;
+    int8_t qs[QK];
+} sl_block_q8_0;
 
-/* [hsum(a), hsum(b), hsum(c), hsum(d)] */
-static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-#endif
+typedef struct {
+    uint16_t d;
+    uint8_t qh[4]; /* bit i: the fifth bit of value i */
+    uint8_t qs[QK / 2];
+} sl_block_q5_0; /* w = d (q - 16) */
 
-/* Stages shared between the files: each holds an orphaned `omp for`, so called inside a parallel
- * region (sl_decode) it shares that region's threads and ends on its barrier. Hidden: only the
- * sl_* entry points are exported. */
-#define SL_INTERNAL __attribute__((visibility("hidden")))
-SL_INTERNAL void quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd,
-                               float *xs);
-SL_INTERNAL void rmsnorm_quantize_body(const float *x, const float *w, float eps, int64_t M,
-                                       int64_t K, int8_t *xq, float *xd, float *xs, float *tmp);
-SL_INTERNAL void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd,
-                                      float *xs, float *tmp);
-SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                                const float *xs, const uint8_t *wq, const float *wd,
-                                const float *wm, const float *bias, float *y, int accumulate);
-SL_INTERNAL void gemm_q8_0_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                                const int8_t *wq, const float *wd, const float *bias, float *y,
-                                int accumulate);
+typedef struct {
+    uint16_t d, m;
+    uint8_t qh[4];
+    uint8_t qs[QK / 2];
+} sl_block_q5_1; /* w = d q + m */
+
+/* 256 values: eight 32-value sub-blocks w = (d sc) q - (dmin m), sc and m 6-bit in scales[],
+ * so each sub-block is a Q4_1 block with fp32 scale and minimum: the loader packs it so. */
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qs[128]; /* per 64 values: 32 bytes, the first 32 in low nibbles, the next in high */
+} sl_block_q4_K;
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12]; /* as Q4_K */
+    uint8_t
+        qh[32]; /* bit 2c (2c + 1) of byte l: the fifth bit of value l of sub-block 2c (2c + 1) */
+    uint8_t qs[128]; /* as Q4_K */
+} sl_block_q5_K;
+
+/* 256 values w = d sc (q - 32), q 6-bit, one int8 scale sc per 16 values: int8 values q - 32 with
+ * fp32 scales d sc per 16, i.e. Q8_16, exactly. */
+typedef struct {
+    uint8_t ql[128]; /* low four bits */
+    uint8_t qh[64];  /* high two bits */
+    int8_t scales[16];
+    uint16_t d;
+} sl_block_q6_K;
+
+/* These structs are mirrored field by field by the ctypes Structures in __init__.py (Linear,
+ * Layer, Model, Scratch): change both together. */
+
+/* A packed linear: weights, scales, minimums (Q4_1 only), optional bias, its format (SL_*). */
+typedef struct {
+    const void *q;
+    const float *d, *m, *bias;
+    int64_t n, k, type;
+} sl_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm, *q_norm, *k_norm;
+    sl_linear qkv, o, gate_up, down;
+} sl_layer;
+
+typedef struct {
+    int64_t layers, hidden, inner, heads, kv_heads, head_dim;
+    float eps;
+    const float *cos, *sin, *final_norm;
+    const sl_layer *layer;
+    sl_linear head;
+} sl_model;
+
+/* Per-step buffers, sized for B rows by the caller. */
+typedef struct {
+    int8_t *xq; /* B x max(hidden, inner, heads * head_dim) */
+    float *xd, *xs, *tmp;
+    float *qkv, *attended, *gate_up, *scores; /* scores: B * heads * span */
+} sl_scratch;
+
+/* ---- exported functions ------------------------------------------------------------------ */
+
+/* What the build vectorizes with: 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (VNNI where present). */
+int sl_vectorized(void);
+/* "avx512vnni", "avx512", "avx2" or "scalar". */
+const char *sl_isa(void);
+/* sizeof the struct of that name ("sl_linear", "sl_block_q4_0", ...), -1 for an unknown name. */
+int64_t sl_sizeof(const char *name);
+
+/* Activations: rows of x (M, K) -> int8 blocks xq, scales xd, scaled sums xs. */
+void sl_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
+                 int nthreads);
+void sl_rmsnorm_quantize(const float *x, const float *w, float eps, int64_t M, int64_t K,
+                         int8_t *xq, float *xd, float *xs, float *tmp, int nthreads);
+void sl_swiglu_quantize(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd, float *xs,
+                        float *tmp, int nthreads);
+
+/* y[m, n] (+)= sum_k x[m, k] w[n, k] (+ bias[n]), per format, and for any sl_linear (its type
+ * picks the GEMM). */
+void sl_gemm_q4_1(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                  const float *xs, const uint8_t *wq, const float *wd, const float *wm,
+                  const float *bias, float *y, int accumulate, int nthreads);
+void sl_gemm_q4_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                  const float *xs, const uint8_t *wq, const float *wd, const float *bias, float *y,
+                  int accumulate, int nthreads);
+void sl_gemm_q8_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                  const int8_t *wq, const float *wd, const float *bias, float *y, int accumulate,
+                  int nthreads);
+void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
+                       const float *xs, float *y, int accumulate, int nthreads);
+
+/* Decode attention (decode.c documents the arguments) and the whole decode step. */
+void sl_attention_decode(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                         const float *cos_table, const float *sin_table, const int64_t *pos,
+                         const int64_t *slots, float *kc, float *vc, int64_t capacity,
+                         const float *q_norm, const float *k_norm, float eps, float *out,
+                         float *scores, int64_t span, int nthreads);
+void sl_decode(const sl_model *m, int64_t B, float *x, const int64_t *pos, const int64_t *slots,
+               float *kc, float *vc, int64_t cache_slots, int64_t capacity, int64_t span,
+               const sl_scratch *w, float *logits, int nthreads);
 
 #endif

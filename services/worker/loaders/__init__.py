@@ -9,6 +9,7 @@ worker can print before exiting; nothing is downloaded.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from services.worker.kernels import Kernels
+from services.worker.models.blocks import FileWeights
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.models.llama import LlamaModel
 from shared.model_card import ModelCard
@@ -30,6 +32,8 @@ __all__ = [
     "load_model",
     "resolve_device",
 ]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -144,19 +148,28 @@ def build_card(
     )
 
 
-def quantize_for_cpu(model: LlamaModel, k: Kernels | None) -> LlamaModel | QuantizedLlama:
-    """Decode from 4-bit blocks: sluice's CPU kernels ``k`` when they built here, else torch's
-    int4 kernels (about a quarter of the speed at one stream).
+def quantize_for_cpu(
+    model: LlamaModel, k: Kernels | None, file: FileWeights | None = None
+) -> LlamaModel | QuantizedLlama:
+    """Decode from quantized blocks: sluice's CPU kernels ``k`` when they built here (packing
+    ``file``'s blocks where a kernel reads them as they are), else torch's int4 kernels (about a
+    quarter of the speed at one stream) for a 4-bit or dense model, else (a file of 8-bit or
+    K-quant weights without the kernels) the dense fp32 model.
 
     The kernels path wraps the model and frees its dense linears (see ``models.kernel_llama``);
     torch's int4 path replaces the block linears in place.
     """
+    from services.worker.loaders.gguf import is_four_bit
     from services.worker.models.kernel_llama import supports
 
     if k is not None and k.vectorized and supports(model):
-        return QuantizedLlama(model, k)
+        return QuantizedLlama(model, k, file)
+    if file is not None and not is_four_bit(file):
+        log.info("no CPU kernels for this model: its weights run dense in fp32 (torch)")
+        return model
     from services.worker.models.int_linears import quantize_linears
 
+    log.info("no CPU kernels for this model: block linears on torch's int4 kernels")
     quantize_linears(model)
     return model
 
@@ -200,22 +213,32 @@ def load_model(
         public = name or (path.stem if path.suffix == ".gguf" else path.name)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
-    four_bit = False
+    from services.worker import kernels
+    from services.worker.loaders.gguf import is_quantized
+
+    file: FileWeights | None = None
+    gguf_auto = path.suffix == ".gguf" and dtype == "auto" and path.is_file()
+    wants_kernels = dev.type == "cpu" and (dtype == "int4" or gguf_auto)
+    built_in = Path(kernel_dir) if kernel_dir else None
+    k = kernels.load(built_in) if cpu_kernels and wants_kernels else None
     if path.is_dir():
         model, tokenizer, card = load_hf_dir(path, public)
     elif path.suffix == ".gguf":
-        model, tokenizer, card, four_bit = load_gguf(path, public)
+        # auto on CPU with the kernels: the weights they read from the file's blocks never
+        # exist as dense fp32 (FileWeights.lazy), and the model below runs on them.
+        lazy = dtype == "auto" and k is not None and k.vectorized
+        model, tokenizer, card, file = load_gguf(path, public, lazy=lazy)
     else:
         raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a model directory")
-    model = model.to(device=dev, dtype=dt).eval()
-    model.requires_grad_(False)
-    # auto on CPU: a 4-bit GGUF decodes from 4-bit blocks (its weights are that format already).
+    if file is None or not file.lazy:  # a lazy model is CPU fp32 already, and partly meta
+        model = model.to(device=dev, dtype=dt)
+    model.eval().requires_grad_(False)
+    # auto on CPU: a quantized GGUF decodes from its blocks (its weights are that format already).
     ready: LlamaModel | QuantizedLlama = model
-    if dtype == "int4" or (dtype == "auto" and dev.type == "cpu" and four_bit):
-        from services.worker import kernels
-
-        built = kernels.load(Path(kernel_dir) if kernel_dir else None) if cpu_kernels else None
-        ready = quantize_for_cpu(model, built)
+    if dtype == "int4":
+        ready = quantize_for_cpu(model, k)
+    elif dtype == "auto" and dev.type == "cpu" and file is not None and is_quantized(file):
+        ready = quantize_for_cpu(model, k, file)
     return LoadedModel(
         model=ready,
         tokenizer=tokenizer,

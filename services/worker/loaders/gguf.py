@@ -1,7 +1,8 @@
 """Load a GGUF file: dequantize tensors, undo llama.cpp's Q/K permutation, rebuild the tokenizer.
 
 Owns the GGUF -> Hugging Face name mapping and the metadata -> config mapping. Quantized blocks
-are dequantized once at load (numpy, ``gguf.quants``) into dense weights.
+are dequantized once at load (numpy, ``gguf.quants``) into dense weights; the Q4_0 / Q4_1 / Q8_0
+blocks are also kept as they are (``FileWeights``) for the CPU kernels, which pack them exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from tokenizers import Tokenizer
 from services.worker.loaders import ModelLoadError, build_card
 from services.worker.loaders.tokenizer import TokenizerError, build_gguf_tokenizer
 from services.worker.models import MODELS
+from services.worker.models.blocks import (
+    BLOCK_BYTES,
+    KERNEL_TYPES,
+    FileWeights,
+    QuantBlocks,
+    finite,
+)
+from services.worker.models.kernel_llama import fits
 from services.worker.models.llama import LlamaModel, WeightError
 from shared.model_card import ModelCard
 
@@ -26,6 +35,7 @@ __all__ = [
     "SUPPORTED_TYPES",
     "dequantize_fast",
     "is_four_bit",
+    "is_quantized",
     "load_gguf",
     "read_metadata",
     "unpermute_qk",
@@ -145,8 +155,37 @@ def _config(meta: dict[str, Any], arch: str, vocab: int, tied: bool) -> dict[str
     }
 
 
-def _tensors(reader: GGUFReader, arch: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _fused_groups(names: set[str]) -> list[list[str]]:
+    """The Hugging Face names the model fuses into one linear (q/k/v, gate/up), per layer."""
+    groups = []
+    for name in names:
+        if name.endswith("self_attn.q_proj.weight"):
+            groups.append([name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")])
+        elif name.endswith("mlp.gate_proj.weight"):
+            groups.append([name, name.replace("gate_proj", "up_proj")])
+    return groups
+
+
+def _lazy_names(reader: GGUFReader) -> set[str]:
+    """The 2-D weights the CPU kernels read from their blocks, so the model needs no dense copy:
+    every kernel-readable one, except in a fused linear with a part that is not (F16, Q3_K...):
+    that linear is re-quantized from dense weights, so all its parts load dense."""
+    types = {hf_name(t.name): QType(t.tensor_type) for t in reader.tensors if len(t.shape) == 2}
+    lazy = {name for name, qtype in types.items() if qtype in KERNEL_TYPES}
+    for group in _fused_groups(set(types)):
+        if not all(n in lazy for n in group):
+            lazy -= set(group)
+    return lazy
+
+
+def _tensors(
+    reader: GGUFReader, arch: str, cfg: dict[str, Any], lazy: set[str]
+) -> tuple[dict[str, torch.Tensor], FileWeights]:
+    """Dense tensors by Hugging Face name, and the file's weights by type and blocks. The names
+    in ``lazy`` get a meta-device placeholder instead of a dense tensor: their blocks are all
+    the kernels need (checked finite here, one tensor at a time)."""
     out: dict[str, torch.Tensor] = {}
+    file = FileWeights(lazy=bool(lazy))
     for t in reader.tensors:
         qtype = QType(t.tensor_type)
         if qtype not in SUPPORTED_TYPES:
@@ -155,6 +194,27 @@ def _tensors(reader: GGUFReader, arch: str, cfg: dict[str, Any]) -> dict[str, to
                 f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))}"
             )
         shape = tuple(reversed([int(x) for x in t.shape]))  # ggml ne order is [in, out]
+        name = hf_name(t.name)
+        heads = None
+        if arch in _PERMUTED_ARCHS and t.name.endswith("attn_q.weight"):
+            heads = cfg["num_attention_heads"]
+        elif arch in _PERMUTED_ARCHS and t.name.endswith("attn_k.weight"):
+            heads = cfg["num_key_value_heads"]
+        if len(shape) == 2:
+            file.types[name] = int(qtype)
+        if len(shape) == 2 and qtype in KERNEL_TYPES:  # the raw blocks: the CPU kernels read them
+            try:
+                raw = _blocks(t.data, BLOCK_BYTES[qtype]).view(shape[0], -1)
+            except RuntimeError as exc:
+                raise ModelLoadError(f"tensor {t.name}: corrupt data ({exc})") from exc
+            raw = raw if heads is None else unpermute_qk(raw, heads)  # moves whole rows
+            blocks = QuantBlocks(int(qtype), raw.contiguous(), (shape[0], shape[1]))
+            file.blocks[name] = blocks
+            if name in lazy:
+                if not finite(blocks):
+                    raise ModelLoadError(f"tensor {t.name} holds NaN or infinite values")
+                out[name] = torch.empty(shape, device="meta")
+                continue
         try:
             fast = dequantize_fast(t.data, qtype)
             if fast is None:
@@ -164,12 +224,10 @@ def _tensors(reader: GGUFReader, arch: str, cfg: dict[str, Any]) -> dict[str, to
             w = w.reshape(shape)
         except (ValueError, AssertionError, RuntimeError) as exc:
             raise ModelLoadError(f"tensor {t.name}: corrupt data ({exc})") from exc
-        if arch in _PERMUTED_ARCHS and t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, cfg["num_attention_heads"])
-        elif arch in _PERMUTED_ARCHS and t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, cfg["num_key_value_heads"])
-        out[hf_name(t.name)] = w.contiguous()  # both paths copied off the mmap
-    return out
+        if heads is not None:
+            w = unpermute_qk(w, heads)
+        out[name] = w.contiguous()  # both paths copied off the mmap
+    return out, file
 
 
 def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
@@ -187,15 +245,29 @@ def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
         raise ModelLoadError(str(exc)) from exc
 
 
-def is_four_bit(reader: GGUFReader) -> bool:
+def is_four_bit(file: FileWeights) -> bool:
     """True when most 2-D weights are Q4_0/Q4_1: int4 CPU kernels then lose (almost) nothing."""
-    matrices = [t for t in reader.tensors if len(t.shape) == 2]
-    four = sum(QType(t.tensor_type) in (QType.Q4_0, QType.Q4_1) for t in matrices)
-    return four * 2 > len(matrices)
+    four = sum(t in (QType.Q4_0, QType.Q4_1) for t in file.types.values())
+    return four * 2 > len(file.types)
 
 
-def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard, bool]:
-    """Load a GGUF file into an fp32 CPU model, its tokenizer, its card, and ``is_four_bit``.
+def is_quantized(file: FileWeights) -> bool:
+    """True when most 2-D weights are in a quantized type (not F32 / F16 / BF16)."""
+    dense = {int(QType.F32), int(QType.F16), int(QType.BF16)}
+    quantized = sum(t not in dense for t in file.types.values())
+    return quantized * 2 > len(file.types)
+
+
+def load_gguf(
+    path: Path, name: str, *, lazy: bool = False
+) -> tuple[LlamaModel, Tokenizer, ModelCard, FileWeights]:
+    """Load a GGUF file into an fp32 CPU model, its tokenizer, its card, and what the file holds
+    for each 2-D weight (its type, and the raw blocks of the types the CPU kernels read).
+
+    ``lazy``: the caller will run the model on the CPU kernels (``QuantizedLlama``), so when the
+    file is quantized and the model's widths fit the kernels, the weights the kernels read from
+    their blocks load as meta-device placeholders, never as dense fp32 (``FileWeights.lazy``
+    says so; such a model cannot run its own forward).
 
     Raises:
         ModelLoadError: unreadable file, unknown architecture or tensor, unsupported quant type,
@@ -223,7 +295,14 @@ def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard, 
     with torch.device("meta"):  # weights come from the file: skip random init
         model = model_cls(model_cls.config_from_hf(cfg))
     try:
-        model.load_hf_weights(_tensors(reader, arch, cfg))
+        lazy_names = set()
+        if lazy and fits(model.config):
+            lazy_names = _lazy_names(reader)
+            if len(lazy_names) * 2 <= sum(len(t.shape) == 2 for t in reader.tensors):
+                lazy_names = set()  # a mostly dense file: dtype=auto keeps it dense
+        tensors, file = _tensors(reader, arch, cfg, lazy_names)
+        model.load_hf_weights(tensors)
+        del tensors  # the unfused q/k/v, gate and up: freed before the caller packs anything
     except WeightError as exc:
         raise ModelLoadError(f"{path.name}: {exc}") from exc
     tokens = meta["tokenizer.ggml.tokens"]
@@ -246,4 +325,4 @@ def load_gguf(path: Path, name: str) -> tuple[LlamaModel, Tokenizer, ModelCard, 
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         source=str(path),
     )
-    return model, tokenizer, card, is_four_bit(reader)
+    return model, tokenizer, card, file

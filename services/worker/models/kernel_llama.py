@@ -1,23 +1,29 @@
-"""A Llama-family model's decode step on sluice's CPU kernels (Q4_1 / Q8_0 blocks).
+"""A Llama-family model's decode step on sluice's CPU kernels (GGUF Q4/Q5/Q6/Q8 blocks).
 
-Owns packing a loaded ``LlamaModel``'s linears into 4-bit (Q4_1) blocks and its output head into
-8-bit (Q8_0) blocks, and ``QuantizedLlama``, which runs a decode step (one new token per row) as
-one call into ``services.worker.kernels`` instead of ~1,500 torch ops. The math is the model's
-own (same RMSNorm, RoPE convention, GQA, SwiGLU, KV-cache layout), with activations quantized to
-8 bits per 32 values before each matmul, so tests compare the two paths step by step.
+Owns packing a loaded ``LlamaModel``'s linears into the kernels' block formats and
+``QuantizedLlama``, which runs a decode step (one new token per row) as one call into
+``services.worker.kernels`` instead of ~1,500 torch ops. The math is the model's own (same
+RMSNorm, RoPE convention, GQA, SwiGLU, KV-cache layout), with activations quantized to 8 bits per
+32 values before each matmul, so tests compare the two paths step by step.
 
-Prefill (many tokens per row) runs the same kernels for every matmul (the interleaved Q4_1 GEMM
+Prefill (many tokens per row) runs the same kernels for every matmul (the interleaved Q4 GEMM
 beats oneDNN's fp32 GEMM by ~1.5x at prefill sizes on AVX2) and the dense model's own
 ``Attention.attend`` (torch SDPA) for attention. The dense linears are then freed.
 
-Why Q4_1 for the blocks: a Q4_1 GGUF block is ``w = d * q + m`` over 32 weights, so
-re-quantizing its dequantized weights reproduces it (whenever the block spans 0..15, i.e.
-almost always). The head of the default model is its Q8_0 token embedding, likewise reproduced.
+Where each linear comes from (``Packer``): a GGUF file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K and Q6_K blocks are packed exactly (``models.blocks``: the 4-bit ones into the interleaved
+Q4 layouts, the 5-, 6- and 8-bit ones into int8 layouts), and the token embeddings are looked up
+from the file's blocks. Any other type (F16, Q3_K, IQ*) and a fused linear whose parts differ in
+type are re-quantized from dense weights: as Q4_1 when every part was 4-bit, as Q8_0 (near
+lossless) otherwise. Without a file (``dtype=int4``, an fp32 model) the blocks are Q4_1 and the
+head Q8_0. The path each tensor type took is logged once per load.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import cast
 
@@ -26,12 +32,31 @@ from torch import nn
 
 from services.worker.kernels import QK, Activations, Kernels, Layer, Linear, Model, Scratch
 from services.worker.kv_cache import AttentionBatch, KVCache
-from services.worker.models.llama import Attention, Block, LlamaModel
+from services.worker.models.blocks import (
+    FOUR_BIT_TYPES,
+    INTERLEAVED,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    X8,
+    FileWeights,
+    QuantBlocks,
+    dequantize_blocks,
+    interleave_q8,
+    pack_blocks,
+    pack_q4_1,
+    pack_q8_0,
+    type_name,
+    unpack_q4_1,
+)
+from services.worker.models.llama import Attention, Block, LlamaConfig, LlamaModel
 
 __all__ = [
+    "FORMATS",
     "Activations",
     "PackedLinear",
     "QuantizedLlama",
+    "fits",
     "pack_q4_1",
     "pack_q8_0",
     "supports",
@@ -39,107 +64,115 @@ __all__ = [
 ]
 
 
-def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) weights -> Q4_1 with eight rows interleaved (the layout ``sluice_cpu.h`` documents).
+log = logging.getLogger(__name__)
 
-    Returns nibbles (N/8, K/32 * 128) uint8, scales and minimums (N/8, K/32, 8) fp32. In each
-    128-byte block, byte ``32 j + 4 r + i`` holds row r's value ``4 j + i`` (low nibble) and
-    value ``16 + 4 j + i`` (high nibble).
-    """
-    n, k = w.shape
-    g, nb = n // 8, k // QK
-    blocks = w.detach().float().reshape(n, nb, QK)
-    lo, hi = blocks.amin(-1), blocks.amax(-1)
-    scale = (hi - lo) / 15.0
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = ((blocks - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
-    q = q.view(g, 8, nb, QK).permute(0, 2, 1, 3)  # (G, nb, row, 32)
-    low, high = q[..., :16].reshape(g, nb, 8, 4, 4), q[..., 16:].reshape(g, nb, 8, 4, 4)
-    nibbles = (low | (high << 4)).permute(0, 1, 3, 2, 4)  # (G, nb, j, row, i)
-
-    def by_group(t: torch.Tensor) -> torch.Tensor:
-        return t.view(g, 8, nb).permute(0, 2, 1).contiguous()  # (G, nb, row)
-
-    return nibbles.reshape(g, nb * 128).contiguous(), by_group(scale), by_group(lo)
+FORMATS = {"q4_0": Q4_0, "q4_1": Q4_1, "q8_0": Q8_0}  # the kernels' weight formats
 
 
-def unpack_q4_1(nibbles: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The (N, K) weights that ``pack_q4_1``'s output encodes (its inverse on the 4-bit grid)."""
-    g, nb = scale.shape[0], scale.shape[1]
-    b = nibbles.view(g, nb, 4, 8, 4).permute(0, 1, 3, 2, 4)  # (G, nb, row, j, i)
-    q = torch.cat([(b & 0x0F).reshape(g, nb, 8, 16), (b >> 4).reshape(g, nb, 8, 16)], -1)
-    w = q.float() * scale[..., None] + low[..., None]  # (G, nb, row, 32)
-    return w.permute(0, 2, 1, 3).reshape(g * 8, nb * QK)
-
-
-def pack_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) weights -> int8 values (N, K) and one scale per 32 (N, K/32) fp32."""
-    n, k = w.shape
-    blocks = w.detach().float().reshape(n, k // QK, QK)
-    scale = blocks.abs().amax(-1) / 127.0
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return q.reshape(n, k).contiguous(), scale.contiguous()
-
-
-def supports(model: nn.Module) -> bool:
-    """Whether the kernels fit ``model``: fp32 on CPU, every block matmul's inputs split into
-    32-value blocks and its outputs into groups of eight rows."""
-    if not isinstance(model, LlamaModel):
-        return False
-    cfg = model.config
+def fits(cfg: LlamaConfig) -> bool:
+    """Whether every block matmul's inputs split into 32-value blocks and its outputs into
+    groups of eight rows."""
     widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
     outputs = (cfg.hidden_size, 2 * cfg.intermediate_size, (cfg.num_heads + 2 * cfg.num_kv_heads))
-    weight = model.embed_tokens.weight
     return (
         all(w % QK == 0 for w in widths)
         and all(o % 8 == 0 for o in outputs[:2])
         and outputs[2] * cfg.head_dim % 8 == 0
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
     )
 
 
-class PackedLinear:
-    """``y (+)= x @ W.T + b`` on packed blocks: Q4_1 for block linears, Q8_0 for the head."""
+def supports(model: nn.Module) -> bool:
+    """Whether the kernels fit ``model``: fp32 on CPU (its norms: the weights may be meta
+    placeholders for blocks, ``FileWeights.lazy``) and widths that ``fits``."""
+    if not isinstance(model, LlamaModel):
+        return False
+    weight = model.norm.weight
+    return fits(model.config) and weight.device.type == "cpu" and weight.dtype == torch.float32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> None:
+
+class PackedLinear:
+    """``y (+)= x @ W.T + b`` on packed blocks, in any format a kernel reads (``FORMATS``):
+    packed from a file's blocks as they are, or re-quantized from dense weights (``fmt``:
+    ``q4_1`` or ``q8_0``)."""
+
+    def __init__(
+        self, weight: torch.Tensor | QuantBlocks, bias: torch.Tensor | None, fmt: str = "q4_1"
+    ) -> None:
         self.out_features, self.in_features = weight.shape
-        self.fmt = fmt
-        if fmt == "q4_1":
-            self.q, self.d, self.m = pack_q4_1(weight)
+        m: torch.Tensor | None = None
+        if isinstance(weight, QuantBlocks):
+            self.type, self.q, self.d, m = pack_blocks(weight)
+        elif fmt == "q4_1":
+            self.type = FORMATS[fmt]
+            self.q, self.d, m = pack_q4_1(weight)
         else:
+            self.type = FORMATS[fmt]
             self.q, self.d = pack_q8_0(weight)
-            self.m = self.d  # unused by the Q8_0 kernel
+        self.fmt = type_name(self.type).lower()
+        self.layout = self.type  # sl_linear.type: the format, | X8 when its rows are interleaved
+        if self.type not in INTERLEAVED and self.out_features % 8 == 0:
+            self.layout |= X8
+            self.q, self.d, m = interleave_q8(self.type, self.q, self.d, m)
+        self.m = m  # minimums (Q4_1, Q8_M); the other formats have none
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.view = self.struct()  # one struct for every call (its buffers live as long as self)
 
     def struct(self) -> Linear:
         """The kernels' view of this linear (the tensors must outlive it)."""
         return Linear(
             self.q.data_ptr(),
             self.d.data_ptr(),
-            self.m.data_ptr(),
+            _ptr(self.m),
             _ptr(self.bias),
             self.out_features,
             self.in_features,
+            self.layout,
         )
 
     def __call__(
         self, k: Kernels, x: Activations, y: torch.Tensor, *, accumulate: bool = False
     ) -> None:
         """Write (or add) the product for ``x``'s rows into ``y`` (rows, out_features) fp32."""
-        bias = 0 if self.bias is None else self.bias.data_ptr()
-        args = (x.rows, self.out_features, self.in_features, x.q.data_ptr(), x.d.data_ptr())
-        if self.fmt == "q4_1":
-            k.lib.sl_gemm_q4_1(
-                *args, x.s.data_ptr(), self.q.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                bias, y.data_ptr(), int(accumulate), k.threads(),
-            )  # fmt: skip
-        else:
-            k.lib.sl_gemm_q8_0(
-                *args, self.q.data_ptr(), self.d.data_ptr(), bias, y.data_ptr(),
-                int(accumulate), k.threads(),
-            )  # fmt: skip
+        k.lib.sl_linear_forward(
+            ctypes.byref(self.view), x.rows, x.q.data_ptr(), x.d.data_ptr(), x.s.data_ptr(),
+            y.data_ptr(), int(accumulate), k.threads(),
+        )  # fmt: skip
+
+
+class Packer:
+    """Packs each linear from the best source and counts which path each tensor type took."""
+
+    def __init__(self, file: FileWeights | None) -> None:
+        self.file = file
+        self.paths: Counter[tuple[str, str]] = Counter()
+
+    def linear(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, names: list[str], dense: str
+    ) -> PackedLinear:
+        """The linear made of the file's tensors ``names`` (stacked by rows): from their blocks
+        when a kernel reads them as they are, else from the dense ``weight`` re-quantized, as
+        ``dense`` (no file: dtype int4 or an fp32 model) or, from a file, as Q4_1 when every
+        part was 4-bit and Q8_0 (near lossless) otherwise."""
+        if self.file is None:
+            self.paths["dense", f"re-quantized as {dense.upper()}"] += len(names)
+            return PackedLinear(weight, bias, dense)
+        types = [type_name(self.file.types.get(n, 0)) for n in names]
+        blocks = self.file.fused(names)
+        if blocks is not None and (blocks.qtype not in INTERLEAVED or blocks.shape[0] % 8 == 0):
+            linear = PackedLinear(blocks, bias)
+            for t in types:
+                self.paths[t, f"{linear.fmt.upper()} kernel on the file's blocks"] += 1
+            return linear
+        four = all(self.file.types.get(n) in FOUR_BIT_TYPES for n in names)
+        fmt = "q4_1" if four and weight.shape[0] % 8 == 0 else "q8_0"  # Q4_1: groups of 8 rows
+        if weight.is_meta:  # loaded lazily: every part has blocks (gguf._lazy_names)
+            weight = torch.cat([dequantize_blocks(self.file.blocks[n]) for n in names])
+        for t in types:
+            self.paths[t, f"dequantized, re-quantized as {fmt.upper()}"] += 1
+        return PackedLinear(weight, bias, fmt)
+
+    def summary(self) -> str:
+        return "; ".join(f"{t} x{n}: {path}" for (t, path), n in sorted(self.paths.items()))
 
 
 @dataclass
@@ -156,19 +189,28 @@ class PackedBlock:
     down: PackedLinear
 
     @classmethod
-    def from_block(cls, block: Block) -> PackedBlock:
+    def from_block(cls, block: Block, index: int, packer: Packer) -> PackedBlock:
         attn: Attention = block.self_attn
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
+        at = f"model.layers.{index}."
+
+        def names(*parts: str) -> list[str]:
+            return [f"{at}{p}.weight" for p in parts]
+
+        qkv = names("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        o_proj, down = names("self_attn.o_proj"), names("mlp.down_proj")
         return cls(
             input_norm=block.input_layernorm.weight.detach().float().contiguous(),
-            qkv=PackedLinear(attn.qkv.weight, attn.qkv.bias, "q4_1"),
+            qkv=packer.linear(attn.qkv.weight, attn.qkv.bias, qkv, "q4_1"),
             q_norm=None if q_norm is None else q_norm.weight.detach().float().contiguous(),
             k_norm=None if k_norm is None else k_norm.weight.detach().float().contiguous(),
-            o_proj=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, "q4_1"),
+            o_proj=packer.linear(attn.o_proj.weight, attn.o_proj.bias, o_proj, "q4_1"),
             post_norm=block.post_attention_layernorm.weight.detach().float().contiguous(),
-            gate_up=PackedLinear(block.mlp.gate_up.weight, None, "q4_1"),
-            down=PackedLinear(block.mlp.down_proj.weight, None, "q4_1"),
+            gate_up=packer.linear(
+                block.mlp.gate_up.weight, None, names("mlp.gate_proj", "mlp.up_proj"), "q4_1"
+            ),
+            down=packer.linear(block.mlp.down_proj.weight, None, down, "q4_1"),
         )
 
     def struct(self) -> Layer:
@@ -178,27 +220,38 @@ class PackedBlock:
             self.post_norm.data_ptr(),
             _ptr(self.q_norm),
             _ptr(self.k_norm),
-            self.qkv.struct(),
-            self.o_proj.struct(),
-            self.gate_up.struct(),
-            self.down.struct(),
+            self.qkv.view,
+            self.o_proj.view,
+            self.gate_up.view,
+            self.down.view,
         )
 
 
 class QuantizedLlama(nn.Module):
     """``LlamaModel``'s forward with decode steps on the CPU kernels (same signature)."""
 
-    def __init__(self, model: LlamaModel, kernels: Kernels) -> None:
+    def __init__(
+        self, model: LlamaModel, kernels: Kernels, file: FileWeights | None = None
+    ) -> None:
+        """Pack ``model``'s linears (from ``file``'s blocks where a kernel reads them as they
+        are) and free the dense ones; log once which path each tensor type took."""
         super().__init__()
         self.model = model  # embeddings, RoPE tables and Attention.attend (linears freed below)
         self.config = cfg = model.config
         self.kernels = kernels
         layers = [cast(Block, b) for b in model.layers]
-        self.blocks = [PackedBlock.from_block(b) for b in layers]
+        packer = Packer(file)
+        self.blocks = [PackedBlock.from_block(b, i, packer) for i, b in enumerate(layers)]
         self.attention = [b.self_attn for b in layers]  # prefill reuses Attention.attend
         self.final_norm = model.norm.weight.detach().float().contiguous()
-        self.head = PackedLinear(model.lm_head.weight, model.lm_head.bias, "q8_0")
-        _release_dense(model)  # after every PackedLinear above has copied what it needs
+        tied = file is None or "lm_head.weight" not in file.types
+        head = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        self.head = packer.linear(model.lm_head.weight, model.lm_head.bias, head, "q8_0")
+        log.info("CPU kernels, weights by type: %s", packer.summary())
+        # Token embeddings from the file's blocks, a row per token dequantized when looked up
+        # (as the loader would, bit for bit), instead of a dense fp32 table.
+        self.embeddings = None if file is None else file.blocks.get("model.embed_tokens.weight")
+        _release_dense(model, embeddings=self.embeddings is not None)  # after the packing above
         self.layer_structs = (Layer * len(self.blocks))(*(b.struct() for b in self.blocks))
         self.struct = Model(
             cfg.num_layers,
@@ -212,7 +265,7 @@ class QuantizedLlama(nn.Module):
             model.rope_sin.data_ptr(),
             self.final_norm.data_ptr(),
             self.layer_structs,
-            self.head.struct(),
+            self.head.view,
         )
         self.scratch: dict[int, tuple[Scratch, list[torch.Tensor]]] = {}
         # The widest matmul input: every quantized activation buffer is sized for it.
@@ -234,7 +287,7 @@ class QuantizedLlama(nn.Module):
         k, cfg = self.kernels, self.config
         B, T = idx.shape
         rows, C, eps = B * T, cfg.hidden_size, cfg.rms_norm_eps
-        x = self.model.embed_tokens(idx).view(rows, C).contiguous()  # residual stream
+        x = self.embed(idx.reshape(rows))  # (rows, C) residual stream
         act = Activations(rows, self.act_width)
         qkv = torch.empty(rows, self.blocks[0].qkv.out_features)
         gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
@@ -255,6 +308,14 @@ class QuantizedLlama(nn.Module):
         logits = torch.empty(B * n_logits, self.head.out_features)
         self.head(k, head_in, logits)
         return logits.view(B, n_logits, -1)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) token ids -> (n, C) fp32 embeddings, contiguous."""
+        if self.embeddings is None:
+            return self.model.embed_tokens(ids).contiguous()
+        table = self.embeddings
+        rows = QuantBlocks(table.qtype, table.data[ids], (ids.shape[0], table.shape[1]))
+        return dequantize_blocks(rows).contiguous()
 
     def _scratch(self, rows: int, span: int) -> Scratch:
         """Buffers for ``rows`` rows attending over up to ``span`` keys (reused across steps)."""
@@ -279,7 +340,7 @@ class QuantizedLlama(nn.Module):
     def decode(self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
         """One new token per row: (B, 1) ids -> (B, 1, V) logits, in one call to the kernels."""
         B = idx.shape[0]
-        x = self.model.embed_tokens(idx.view(B)).contiguous()  # (B, C) residual stream
+        x = self.embed(idx.view(B))  # (B, C) residual stream
         logits = torch.empty(B, self.head.out_features)
         positions = batch.start_index.contiguous()  # (B,) the new token's position
         slots = batch.slot_index.contiguous()
@@ -302,19 +363,23 @@ class QuantizedLlama(nn.Module):
         return logits.view(B, 1, -1)
 
 
-def _release_dense(model: LlamaModel) -> None:
-    """Free the fp32 weights the packed blocks replace (7/8 of a 4-bit model's memory); the
-    dense model keeps embeddings, norms, RoPE tables and ``Attention.attend``, and can no longer
-    run its own forward."""
+def _release_dense(model: LlamaModel, *, embeddings: bool) -> None:
+    """Free the fp32 weights the packed blocks replace (7/8 of a 4-bit model's memory), and the
+    embedding table when ``embeddings`` (looked up from the file's blocks instead); the dense
+    model keeps norms, RoPE tables and ``Attention.attend``, and can no longer run its own
+    forward."""
     for layer in model.layers:
         block = cast(Block, layer)
         attn, mlp = block.self_attn, block.mlp
         for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj):
-            linear.weight.data = torch.empty(0)
+            if not linear.weight.is_meta:  # a meta placeholder holds no memory
+                linear.weight.data = torch.empty(0)
             if linear.bias is not None:
                 linear.bias.data = torch.empty(0)
-    if model.lm_head.weight is not model.embed_tokens.weight:
+    if model.lm_head.weight is not model.embed_tokens.weight and not model.lm_head.weight.is_meta:
         model.lm_head.weight.data = torch.empty(0)
+    if embeddings and not model.embed_tokens.weight.is_meta:
+        model.embed_tokens.weight.data = torch.empty(0)
 
 
 def _ptr(t: torch.Tensor | None) -> int:

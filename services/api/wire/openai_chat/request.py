@@ -21,6 +21,7 @@ from services.api.wire.constraints import (
     chat_constraint,
     check_tool_schemas,
 )
+from services.api.wire.openai_chat.tools import parse_tool_choice, parse_tools
 from shared.errors import InvalidRequest
 from shared.jobs import (
     Constraint,
@@ -30,8 +31,6 @@ from shared.jobs import (
     SamplingParams,
     TextPart,
     ToolCall,
-    ToolChoice,
-    ToolDef,
 )
 
 __all__ = ["ChatOptions", "ChatRequest", "ParsedChat", "parse_request"]
@@ -167,8 +166,8 @@ def parse_request(
     _check_unsupported(req)
     include_reasoning = bool(req.include_reasoning) or include_reasoning_header
     kwargs = dict(req.chat_template_kwargs or {})
-    tools, ignored = _tools(req.tools)
-    tool_choice = _tool_choice(req.tool_choice, tools, ignored)
+    tools, ignored = parse_tools(req.tools)
+    tool_choice = parse_tool_choice(req.tool_choice, tools, ignored)
     check_tool_schemas(tools, tool_choice, lambda i: f"tools[{i}].function.parameters")
     job = GenerateRequest(
         request_id=request_id,
@@ -278,68 +277,6 @@ def _history_call(call: _ToolCall, param: str) -> ToolCall:
     args = call.function.arguments
     text = args if isinstance(args, str) else msgspec.json.encode(args).decode()
     return ToolCall(id=call.id, name=call.function.name, arguments=text or "{}")
-
-
-def _tools(raw: list[_Tool] | None) -> tuple[list[ToolDef], list[str]]:
-    out: list[ToolDef] = []
-    ignored: list[str] = []
-    for i, tool in enumerate(raw or []):
-        if tool.type == "custom":
-            # Chat has no item for a freeform call that every client parses: like a hosted
-            # tool, a custom tool is accepted, kept out of the prompt and named in a header.
-            name = tool.custom.get("name") if isinstance(tool.custom, dict) else None
-            if not isinstance(name, str):
-                raise InvalidRequest("custom tools need custom.name", param=f"tools[{i}].custom")
-            ignored.append(name)
-            continue
-        if tool.type != "function" or tool.function is None:
-            raise InvalidRequest(
-                f"tool type {tool.type!r} is not supported (function tools only)",
-                param=f"tools[{i}]",
-            )
-        fn = tool.function
-        out.append(
-            ToolDef(
-                name=fn.name,
-                description=fn.description,
-                parameters=fn.parameters or {},
-                strict=bool(fn.strict),
-            )
-        )
-    return out, ignored
-
-
-def _tool_choice(
-    raw: str | JsonObject | None, tools: list[ToolDef], ignored: list[str]
-) -> ToolChoice:
-    names = {t.name for t in tools}
-    if raw is None:
-        return ToolChoice(mode="auto" if tools else "none")
-    if isinstance(raw, str):
-        if raw not in ("none", "auto", "required"):
-            raise InvalidRequest(f"unknown tool_choice {raw!r}", param="tool_choice")
-        if raw == "required" and not tools:
-            raise InvalidRequest("tool_choice 'required' needs tools", param="tool_choice")
-        return ToolChoice(mode=raw)  # type: ignore[arg-type]  # narrowed by the check above
-    if raw.get("type") == "custom":
-        custom = raw.get("custom")
-        forced = custom.get("name") if isinstance(custom, dict) else None
-        raise InvalidRequest(
-            f"tool_choice forces the custom tool {forced!r}, which this server does not offer "
-            f"to the model (ignored: {', '.join(ignored) or 'none'})",
-            param="tool_choice",
-        )
-    fn = raw.get("function")
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if raw.get("type") != "function" or not isinstance(name, str):
-        raise InvalidRequest(
-            'tool_choice must be "none", "auto", "required" or '
-            '{"type": "function", "function": {"name": ...}}',
-            param="tool_choice",
-        )
-    if name not in names:
-        raise InvalidRequest(f"tool_choice names unknown tool {name!r}", param="tool_choice")
-    return ToolChoice(mode="named", name=name)
 
 
 def _constraint(req: ChatRequest) -> Constraint | None:

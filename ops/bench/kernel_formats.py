@@ -1,0 +1,122 @@
+"""Micro benchmark of the CPU kernels per weight format and instruction set, on the default model.
+
+For each GGUF given (e.g. the default Q4_1 and copies written by ``ops/bench/requantize.py``)
+and each kernel build (native: AVX-512 VNNI where the CPU has it; ``avx2``: -mavx2 -mfma only),
+times one 190-token prefill (B = 1) and decode steps at B = 1 and B = 16 with ~200 cached tokens,
+in-process, without the scheduler (``--allow-dense``: files that load as dense torch models, e.g.
+with an older checkout on PYTHONPATH, are timed the same way). Builds and files alternate inside
+each repeat, so a neighbour's load hits them alike; the medians and the ratios against the first
+file's native build are printed as JSON. Run it on an idle machine (``uptime`` load below ~0.5).
+
+    .venv/bin/python ops/bench/kernel_formats.py /tmp/q4_1.gguf /tmp/q4_0.gguf /tmp/q8_0.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from services.worker import kernels
+from services.worker.kernels import Kernels, build
+from services.worker.kv_cache import KVCache, build_batch
+from services.worker.loaders import load_model
+from services.worker.models.kernel_llama import QuantizedLlama
+
+PROMPT = 190
+CPU = torch.device("cpu")
+AVX2 = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cache(model: torch.nn.Module, slots: int) -> KVCache:
+    c = model.config
+    cache = KVCache(
+        layers=c.num_layers,
+        slots=slots,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_len=c.context_length,
+        dtype=torch.float32,
+        device=CPU,
+        initial=512,
+    )
+    cache.reserve(PROMPT + 64)
+    return cache
+
+
+def measure(model: torch.nn.Module, steps: int) -> dict[str, float]:
+    """Seconds: one prefill of PROMPT tokens, and a decode step (median) at B = 1 and 16."""
+    out: dict[str, float] = {}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (1, PROMPT), generator=g)
+    with torch.inference_mode():
+        cache = _cache(model, 1)
+        began = time.perf_counter()
+        model(ids, build_batch([0], [0], PROMPT, CPU), cache, n_logits=1)
+        out["prefill_s"] = time.perf_counter() - began
+        for rows in (1, 16):
+            cache = _cache(model, rows)
+            batch = build_batch(list(range(rows)), [PROMPT] * rows, 1, CPU)
+            tokens = torch.randint(0, 1000, (rows, 1), generator=g)
+            times = []
+            for _ in range(steps):
+                began = time.perf_counter()
+                model(tokens, batch, cache)
+                times.append(time.perf_counter() - began)
+            out[f"decode_b{rows}_s"] = statistics.median(times)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--allow-dense", action="store_true", help="time files that load dense (torch) too"
+    )
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    native = kernels.load()
+    assert native is not None, "the kernels do not build here"
+    builds: dict[str, Kernels] = {native.isa: native}
+    if native.isa != "avx2":
+        builds["avx2"] = Kernels(build(flags=AVX2, directory=Path(tempfile.mkdtemp())))
+    models: dict[str, torch.nn.Module] = {}
+    for f in args.files:
+        loaded = load_model(str(f), device="cpu").model
+        ok = isinstance(loaded, QuantizedLlama) or args.allow_dense
+        assert ok, f"{f} does not run on the kernels"
+        models[f.name] = loaded
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for _ in range(args.repeats):
+        for name, model in models.items():
+            if not isinstance(model, QuantizedLlama):  # dense torch (--allow-dense)
+                runs.setdefault((name, "torch"), []).append(measure(model, args.steps))
+                continue
+            for isa, k in builds.items():
+                model.kernels = k  # the packed weights do not depend on the build
+                runs.setdefault((name, isa), []).append(measure(model, args.steps))
+    base: dict[str, float] | None = None
+    print(json.dumps({"load1": os.getloadavg()[0], "threads": args.threads}))
+    for (name, isa), rs in runs.items():
+        med = {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+        row: dict[str, object] = {"file": name, "isa": isa}
+        row["prefill_tok_s"] = round(PROMPT / med["prefill_s"], 1)
+        row["decode_b1_tok_s"] = round(1 / med["decode_b1_s"], 1)
+        row["decode_b16_tok_s"] = round(16 / med["decode_b16_s"], 1)
+        base = base or med
+        row["vs_first"] = {k: round(base[k] / med[k], 3) for k in med}  # > 1: faster
+        print(json.dumps(row))
+    print(json.dumps({"load1_after": os.getloadavg()[0]}))
+
+
+if __name__ == "__main__":
+    main()

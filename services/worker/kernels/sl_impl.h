@@ -1,0 +1,157 @@
+/* sluice CPU kernels, internal: instruction-set selection, vector helpers, and the stages shared
+ * between matmul.c and decode.c. Not part of the ABI (sluice_cpu.h is). */
+#ifndef SL_IMPL_H
+#define SL_IMPL_H
+
+#include "sluice_cpu.h"
+
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SL_AVX2 1
+#else
+#define SL_AVX2 0
+#endif
+
+/* vpdpbusd on 256-bit vectors: AVX-512 VNNI with AVX512VL (or the VEX-coded AVX-VNNI). */
+#if SL_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SL_VNNI              1
+#define dpbusd256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif SL_AVX2 && defined(__AVXVNNI__)
+#define SL_VNNI              1
+#define dpbusd256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define SL_VNNI 0
+#endif
+
+/* 512-bit integer code (two blocks per vector) with vpdpbusd on zmm registers. */
+#if SL_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SL_AVX512_VNNI 1
+#else
+#define SL_AVX512_VNNI 0
+#endif
+
+/* Activation rows per weight pass: a weight block is unpacked once per MT rows. Eight with
+ * AVX-512, whose 32 vector registers hold eight accumulators beside the unpacked block. */
+#ifndef MT
+#if SL_AVX512_VNNI
+#define MT 8
+#else
+#define MT 4
+#endif
+#endif
+
+/* ---- vector helpers ----------------------------------------------------------------------- */
+
+#if SL_AVX2
+static inline float hsum(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* e^x for 8 floats (Cephes' polynomial, relative error ~2e-7), inputs clamped to [-87, 88]. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* [hsum(a), hsum(b), hsum(c), hsum(d)] */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
+
+/* Stages shared between the files: each holds an orphaned `omp for`, so called inside a parallel
+ * region (sl_decode) it shares that region's threads and ends on its barrier. Hidden: only the
+ * sl_* entry points are exported. */
+#define SL_INTERNAL __attribute__((visibility("hidden")))
+SL_INTERNAL void quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd,
+                               float *xs);
+SL_INTERNAL void rmsnorm_quantize_body(const float *x, const float *w, float eps, int64_t M,
+                                       int64_t K, int8_t *xq, float *xd, float *xs, float *tmp);
+SL_INTERNAL void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd,
+                                      float *xs, float *tmp);
+SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                                const float *xs, const uint8_t *wq, const float *wd,
+                                const float *wm, const float *bias, float *y, int accumulate);
+/* int8 weights (q8.c): scales per 32 values, or per 16 (sub16); optional minimums per 32 */
+SL_INTERNAL void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                              const float *xs, const int8_t *wq, const float *wd, const float *wm,
+                              int sub16, const float *bias, float *y, int accumulate);
+/* the same, eight rows interleaved (SL_X8: q8.c documents the layout) */
+SL_INTERNAL void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                                const float *xs, const int8_t *wq, const float *wd, const float *wm,
+                                int sub16, const float *bias, float *y, int accumulate);
+/* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
+SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
+                             const float *xs, float *y, int accumulate);
+
+static inline void store(float *y, float v, const float *bias, int64_t n, int accumulate) {
+    if (bias) v += bias[n];
+    if (accumulate) v += *y;
+    *y = v;
+}
+
+/* A tile function called with a literal row count mt (1..MT): always_inline + the literal let
+ * the compiler keep the accumulators in registers. */
+#define DISPATCH_TILE(fn, mt, ...)                                                                 \
+    switch (mt) {                                                                                  \
+    case 8:                                                                                        \
+        fn(8, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 7:                                                                                        \
+        fn(7, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 6:                                                                                        \
+        fn(6, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 5:                                                                                        \
+        fn(5, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 4:                                                                                        \
+        fn(4, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 3:                                                                                        \
+        fn(3, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        fn(2, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    default:                                                                                       \
+        fn(1, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    }
+
+/* static asserts: the ABI's sizes (mirrored by ctypes, checked again at load through sl_sizeof) */
+_Static_assert(sizeof(sl_block_q4_0) == 2 + QK / 2, "block_q4_0 is 18 bytes");
+_Static_assert(sizeof(sl_block_q4_1) == 4 + QK / 2, "block_q4_1 is 20 bytes");
+_Static_assert(sizeof(sl_block_q8_0) == 2 + QK, "block_q8_0 is 34 bytes");
+_Static_assert(sizeof(sl_block_q5_0) == 22, "block_q5_0 is 22 bytes");
+_Static_assert(sizeof(sl_block_q5_1) == 24, "block_q5_1 is 24 bytes");
+_Static_assert(sizeof(sl_block_q4_K) == 144, "block_q4_K is 144 bytes");
+_Static_assert(sizeof(sl_block_q5_K) == 176, "block_q5_K is 176 bytes");
+_Static_assert(sizeof(sl_block_q6_K) == 210, "block_q6_K is 210 bytes");
+_Static_assert(sizeof(sl_linear) == 4 * sizeof(void *) + 3 * 8, "sl_linear: 4 pointers, 3 int64");
+_Static_assert(sizeof(sl_scratch) == 8 * sizeof(void *), "sl_scratch: 8 pointers");
+
+#endif

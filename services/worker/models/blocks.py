@@ -1,0 +1,313 @@
+"""A GGUF file's quantized weights as the kernels read them, without a dense copy.
+
+Owns ``QuantBlocks`` (one 2-D weight's raw GGUF blocks), ``FileWeights`` (what a file holds for
+each weight: its type, and its blocks where a kernel reads that type) and packing weights into
+the layouts ``services/worker/kernels/sluice_cpu.h`` documents: raw blocks as they are
+(``pack_blocks``), dense weights re-quantized (``pack_q4_1``, ``pack_q8_0``).
+
+A GGUF Q4_0 / Q4_1 / Q8_0 row is ``K / 32`` blocks of ``[d: f16][m: f16, Q4_1 only][values]``
+(ggml's block_q4_0 etc., https://github.com/ggml-org/ggml/blob/master/src/ggml-common.h). The
+kernels' layouts hold the same integers re-ordered and the scales as fp32, so packing is a byte
+shuffle: exact, where re-quantizing dequantized weights is not always (a Q4_0 block that does
+not reach both ends of its grid, for one). A Q4_K super-block of 256 values is eight such
+affine 4-bit sub-blocks with 6-bit scales and minimums, so it packs exactly as Q4_1; the 5- and
+6-bit types pack exactly into sluice's int8 layouts (Q8_0, Q8_M, Q8_16): more bytes than the
+file's, but every value as ggml computes it.
+"""
+
+from __future__ import annotations
+
+from ctypes import sizeof
+from dataclasses import dataclass, field
+
+import torch
+
+from services.worker.kernels import (
+    BlockQ4_0,
+    BlockQ4_1,
+    BlockQ4K,
+    BlockQ5_0,
+    BlockQ5_1,
+    BlockQ5K,
+    BlockQ6K,
+    BlockQ8_0,
+)
+
+__all__ = [
+    "BLOCK_BYTES",
+    "FOUR_BIT_TYPES",
+    "INTERLEAVED",
+    "KERNEL_TYPES",
+    "X8",
+    "FileWeights",
+    "QuantBlocks",
+    "dequantize_blocks",
+    "finite",
+    "interleave_q8",
+    "pack_blocks",
+    "pack_q4_1",
+    "pack_q8_0",
+    "type_name",
+    "unpack_q4_1",
+]
+
+QK = 32
+# GGML type ids (ggml.h GGML_TYPE_*), as sluice_cpu.h's SL_* constants number them.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+Q8_M, Q8_16 = 64, 65  # sluice's int8 layouts (sluice_cpu.h SL_Q8_M, SL_Q8_16)
+X8 = 256  # flag on an int8 format: eight rows interleaved (SL_X8)
+QK_K = 256  # values per K-quant super-block
+# A kernel reads these blocks exactly: as they are, or re-laid out (pack_blocks).
+KERNEL_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K})
+# 4-bit (or smaller) types: a linear made of them loses little re-quantized as Q4_1.
+FOUR_BIT_TYPES = frozenset({Q4_0, Q4_1, 10, 11, Q4_K})  # and Q2_K, Q3_K
+INTERLEAVED = frozenset({Q4_0, Q4_1, Q4_K})  # packed in groups of eight rows (N % 8 == 0)
+BLOCK_BYTES = {Q4_0: sizeof(BlockQ4_0), Q4_1: sizeof(BlockQ4_1), Q8_0: sizeof(BlockQ8_0)}
+BLOCK_BYTES |= {Q5_0: sizeof(BlockQ5_0), Q5_1: sizeof(BlockQ5_1)}
+BLOCK_BYTES |= {Q4_K: sizeof(BlockQ4K), Q5_K: sizeof(BlockQ5K), Q6_K: sizeof(BlockQ6K)}  # per 256
+# Where each type keeps its f16 scales (and minimums) in a block: the only fields that can hold a
+# NaN or an infinity (the rest are small integers).
+HALVES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2)}
+HALVES |= {Q5_K: (0, 2), Q6_K: (208,)}
+_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
+_NAMES |= {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+_NAMES |= {Q8_M: "Q8_M", Q8_16: "Q8_16"}
+
+
+def type_name(qtype: int) -> str:
+    """ggml's name for a type id (``Q4_0``), or ``type <id>``."""
+    return _NAMES.get(qtype, f"type {qtype}")
+
+
+@dataclass
+class QuantBlocks:
+    """One (N, K) weight as GGUF blocks: ``data`` uint8 (N, K / 32 * block bytes), rows in the
+    model's order (llama.cpp's Q/K permutation already undone: it only moves whole rows)."""
+
+    qtype: int
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    @staticmethod
+    def cat(parts: list[QuantBlocks]) -> QuantBlocks | None:
+        """The parts stacked by rows (a fused linear), or None when their types differ."""
+        if len({p.qtype for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            return None
+        rows = sum(p.shape[0] for p in parts)
+        return QuantBlocks(
+            parts[0].qtype, torch.cat([p.data for p in parts]), (rows, parts[0].shape[1])
+        )
+
+
+def finite(b: QuantBlocks) -> bool:
+    """Whether every weight the blocks encode is finite (their f16 halves are)."""
+    raw = b.data.view(-1, BLOCK_BYTES[b.qtype])
+    return all(bool(torch.isfinite(_f16(raw, at)).all()) for at in HALVES[b.qtype])
+
+
+@dataclass
+class FileWeights:
+    """What a GGUF file holds for each 2-D weight (Hugging Face names): its GGML type, and its
+    blocks where a kernel reads that type."""
+
+    types: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, QuantBlocks] = field(default_factory=dict)
+    lazy: bool = False  # weights with blocks were loaded as meta placeholders, not dense
+
+    def fused(self, names: list[str]) -> QuantBlocks | None:
+        """The blocks of ``names`` stacked (one packed linear), or None when a part has no
+        kernel-readable blocks or the parts' types differ."""
+        parts = [self.blocks.get(n) for n in names]
+        if any(p is None for p in parts):
+            return None
+        return QuantBlocks.cat([p for p in parts if p is not None])
+
+
+def _f16(raw: torch.Tensor, offset: int) -> torch.Tensor:
+    """The f16 at ``offset`` of every block of ``raw`` (N, nb, bytes) as fp32 (N, nb)."""
+    return raw[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _by_group(t: torch.Tensor) -> torch.Tensor:
+    """(N, nb) per-row scales -> (N/8, nb, 8): the eight interleaved rows' scales side by side."""
+    n, nb = t.shape
+    return t.view(n // 8, 8, nb).permute(0, 2, 1).contiguous()
+
+
+def _interleave(qs: torch.Tensor) -> torch.Tensor:
+    """GGUF-order nibble bytes (N, nb, 16) -> the kernel's eight-row groups (N/8, nb * 128):
+    GGUF byte ``4 j + i`` of row r (value ``4 j + i`` in its low nibble, ``16 + 4 j + i`` in its
+    high nibble) is the byte the kernel wants at ``32 j + 4 r + i`` of the group's block."""
+    n, nb = qs.shape[0], qs.shape[1]
+    grouped = qs.reshape(n // 8, 8, nb, 4, 4).permute(0, 2, 3, 1, 4)  # (G, nb, j, r, i)
+    return grouped.reshape(n // 8, nb * 128).contiguous()
+
+
+def _scale_min(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 bytes at offset 4 of each super-block -> eight 6-bit scales and mins.
+
+    ggml's get_scale_min_k4: sub-blocks 0..3 in the low 6 bits of bytes 0..3 (scales) and 4..7
+    (mins); sub-blocks 4..7 split over bytes 8..11 and the top 2 bits of bytes 0..7."""
+    s = raw[..., 4:16].to(torch.int32)  # (N, ns, 12)
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc.float(), mn.float()
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes (..., n) -> their bits (..., 8 n), least significant first (bit i of the LE word)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((packed[..., None] >> shifts) & 1).flatten(-2)
+
+
+Decoded = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _decode(b: QuantBlocks) -> Decoded:
+    """Every kernel-readable type except Q4_0 / Q4_1 / Q8_0 (packed from their bytes) -> the
+    kernel format that holds it exactly, values (N, K / 32, 32) as integers, scales per 32 (per
+    16 for Q6_K) and minimums per 32 or None, in fp32: w = scale * q + minimum.
+
+    Each scale is a product of an f16 and an integer of at most 8 bits: exact in fp32, as ggml
+    computes it."""
+    n, k = b.shape
+    nb, ns = k // QK, k // QK_K
+    if b.qtype in (Q5_0, Q5_1):  # [d][m: Q5_1 only][32 fifth bits][16 bytes of nibbles]
+        raw = b.data.view(n, nb, BLOCK_BYTES[b.qtype])
+        at = 2 if b.qtype == Q5_0 else 4
+        qs = raw[..., at + 4 :]
+        q = torch.cat([qs & 0x0F, qs >> 4], -1) | (_bits(raw[..., at : at + 4]) << 4)
+        if b.qtype == Q5_0:  # w = d (q - 16): Q8_0
+            return Q8_0, q.to(torch.int16) - 16, _f16(raw, 0), None
+        return Q8_M, q, _f16(raw, 0), _f16(raw, 2)
+    raw = b.data.view(n, ns, BLOCK_BYTES[b.qtype])
+    if b.qtype == Q6_K:  # [ql: 128][qh: 64][scales: 16 int8][d]
+        ql, qh = raw[..., :128].view(n, ns, 2, 2, 32), raw[..., 128:192].view(n, ns, 2, 1, 32)
+        # per 128 values: 32-value quarters from the low / high nibbles of ql's two halves,
+        # with two high bits each from qh at shifts 0, 2, 4, 6
+        low4 = torch.cat([ql & 0x0F, ql >> 4], 3)  # (N, ns, 2, 4, 32): quarters 0, 1, 2, 3
+        high2 = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+        q = (low4 | (high2 << 4)).to(torch.int16) - 32
+        sc = raw[..., 192:208].contiguous().view(torch.int8).float()  # (N, ns, 16)
+        scale = (_f16(raw, 208)[..., None] * sc).reshape(n, 2 * nb)
+        return Q8_16, q.reshape(n, nb, QK), scale, None
+    sc, mn = _scale_min(raw)
+    scale = (_f16(raw, 0)[..., None] * sc).reshape(n, nb)
+    low = (-_f16(raw, 2)[..., None] * mn).reshape(n, nb)
+    if b.qtype == Q4_K:  # [d][dmin][scales][128 bytes: per 64 values, low then high nibbles]
+        qs = raw[..., 16:].reshape(n, ns, 4, 1, 32)
+        return Q4_1, torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(n, nb, QK), scale, low
+    # Q5_K: [d][dmin][scales][qh: 32][qs: 128 as Q4_K]; bit s of qh byte l: value l of sub-block s
+    qs = raw[..., 48:].reshape(n, ns, 4, 1, 32)
+    fifth = (raw[..., 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # (N, ns, 32, 8)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(n, ns, 8, 32)
+    q = q | (fifth.permute(0, 1, 3, 2) << 4)
+    return Q8_M, q.reshape(n, nb, QK), scale, low
+
+
+def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Raw blocks -> the kernel format that reads them exactly, and its (values, scales,
+    minimums or None).
+
+    Q8_0: int8 (N, K) and scales (N, K/32). Q4_0 / Q4_1: eight rows interleaved (N % 8 == 0),
+    the GGUF nibble bytes re-ordered (``_interleave``). Q4_K: each 32-value sub-block is
+    ``(d sc) q - (dmin m)`` with q in 0..15, so it becomes a Q4_1 block with fp32 scale and
+    minimum: the Q4_1 kernel then computes what ggml does. Q5_0 (as ``q - 16``) is Q8_0; Q5_1
+    and Q5_K (q in 0..31) are Q8_M; Q6_K (``q - 32`` with a scale per 16) is Q8_16.
+    """
+    n, k = b.shape
+    if b.qtype in (Q4_0, Q4_1, Q8_0):
+        raw = b.data.view(n, k // QK, BLOCK_BYTES[b.qtype])
+        if b.qtype == Q8_0:
+            values = raw[..., 2:].contiguous().view(torch.int8).view(n, k)
+            return Q8_0, values, _f16(raw, 0).contiguous(), None
+        packed = _interleave(raw[..., 2 if b.qtype == Q4_0 else 4 :])
+        minimums = None if b.qtype == Q4_0 else _by_group(_f16(raw, 2))
+        return b.qtype, packed, _by_group(_f16(raw, 0)), minimums
+    fmt, q, scale, low = _decode(b)
+    if fmt == Q4_1:
+        nibbles = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+        assert low is not None
+        return Q4_1, _interleave(nibbles), _by_group(scale), _by_group(low)
+    values = q.to(torch.int8).reshape(n, k)
+    return fmt, values, scale.contiguous(), None if low is None else low.contiguous()
+
+
+def interleave_q8(
+    fmt: int, values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """An int8 format's rows (N % 8 == 0) -> eight rows interleaved (``q8.c``): for rows
+    8g..8g+7 and block b, byte ``32 j + 4 r + i`` holds row r's value ``4 j + i``; scales
+    (N/8, nb, 8) ((N/8, nb, 2, 8) for Q8_16) and minimums (N/8, nb, 8) side by side."""
+    n, k = values.shape
+    g, nb = n // 8, k // QK
+    packed = values.reshape(g, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb * 256)
+    if fmt == Q8_16:  # (N, 2 nb) -> (G, nb, 2, 8)
+        grouped = scales.reshape(g, 8, nb, 2).permute(0, 2, 3, 1).contiguous()
+    else:
+        grouped = _by_group(scales)
+    return packed.contiguous(), grouped, None if minimums is None else _by_group(minimums)
+
+
+def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> Q4_1 with eight rows interleaved (the layout ``sluice_cpu.h`` documents).
+
+    Returns nibbles (N/8, K/32 * 128) uint8, scales and minimums (N/8, K/32, 8) fp32. In each
+    128-byte block, byte ``32 j + 4 r + i`` holds row r's value ``4 j + i`` (low nibble) and
+    value ``16 + 4 j + i`` (high nibble).
+    """
+    n, k = w.shape
+    g, nb = n // 8, k // QK
+    blocks = w.detach().float().reshape(n, nb, QK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = (hi - lo) / 15.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = ((blocks - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    q = q.view(g, 8, nb, QK).permute(0, 2, 1, 3)  # (G, nb, row, 32)
+    low, high = q[..., :16].reshape(g, nb, 8, 4, 4), q[..., 16:].reshape(g, nb, 8, 4, 4)
+    nibbles = (low | (high << 4)).permute(0, 1, 3, 2, 4)  # (G, nb, j, row, i)
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        return t.view(g, 8, nb).permute(0, 2, 1).contiguous()  # (G, nb, row)
+
+    return nibbles.reshape(g, nb * 128).contiguous(), by_group(scale), by_group(lo)
+
+
+def unpack_q4_1(nibbles: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The (N, K) weights that ``pack_q4_1``'s output encodes (its inverse on the 4-bit grid)."""
+    g, nb = scale.shape[0], scale.shape[1]
+    b = nibbles.view(g, nb, 4, 8, 4).permute(0, 1, 3, 2, 4)  # (G, nb, row, j, i)
+    q = torch.cat([(b & 0x0F).reshape(g, nb, 8, 16), (b >> 4).reshape(g, nb, 8, 16)], -1)
+    w = q.float() * scale[..., None] + low[..., None]  # (G, nb, row, 32)
+    return w.permute(0, 2, 1, 3).reshape(g * 8, nb * QK)
+
+
+def pack_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> int8 values (N, K) and one scale per 32 (N, K/32) fp32."""
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // QK, QK)
+    scale = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), scale.contiguous()
+
+
+def dequantize_blocks(b: QuantBlocks) -> torch.Tensor:
+    """The (N, K) fp32 weights the blocks encode (the reference the packing tests compare to)."""
+    n, k = b.shape
+    if b.qtype not in (Q4_0, Q4_1, Q8_0):
+        fmt, q, scale, low = _decode(b)
+        if fmt == Q8_16:  # a scale per 16 values
+            w = q.float().view(n, -1, 16) * scale[..., None]
+            return w.view(n, k)
+        w = q.float() * scale[..., None]
+        return (w if low is None else w + low[..., None]).view(n, k)
+    raw = b.data.view(n, k // QK, BLOCK_BYTES[b.qtype])
+    d = _f16(raw, 0)[..., None]
+    if b.qtype == Q8_0:
+        return (d * raw[..., 2:].contiguous().view(torch.int8).float()).view(n, k)
+    qs = raw[..., 2 if b.qtype == Q4_0 else 4 :]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
+    if b.qtype == Q4_0:
+        return (d * (q - 8.0)).view(n, k)
+    return (d * q + _f16(raw, 2)[..., None]).view(n, k)
