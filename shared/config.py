@@ -27,6 +27,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "smollm2"  # SLUICE_MODEL: what `sluice worker` serves by default
     model_name: str | None = None  # SLUICE_MODEL_NAME: the public id (default: derived)
     retention_s: int = 86_400  # SLUICE_RETENTION_S: TTL of event streams and request hashes
+    # SLUICE_UNSTORED_RETENTION_S: how long a `store: false` request's log and hash outlive its
+    # terminal event (the window in which a dropped client can still resume it).
+    unstored_retention_s: int = 60
     stream_maxlen: int = 100_000  # SLUICE_STREAM_MAXLEN: cap on entries per event stream
     queue_max: int = 1024  # SLUICE_QUEUE_MAX: queued jobs per model before 429
     job_expires_s: int = 120  # SLUICE_JOB_EXPIRES_S: a job not started by then is dropped

@@ -164,6 +164,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     created: float = 0.0  # unix seconds, set by the API
     user: str | None = None
     metadata: dict[str, str] = {}
+    # False (``store: false``): nothing is kept past the end but a short resume window
+    # (``unstored_retention_s``), and the retrieve routes answer 404 as if it never existed.
+    store: bool = True
 
 
 class Job(GenerateRequest, frozen=True, kw_only=True):

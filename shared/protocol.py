@@ -106,15 +106,20 @@ end
 for i = 6, #ARGV do
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'v', ARGV[5], 'e', ARGV[i])
 end
-redis.call('EXPIRE', KEYS[1], ARGV[4])
+for k = 1, #KEYS do
+  if k ~= 2 and k ~= 3 then redis.call('EXPIRE', KEYS[k], ARGV[4]) end
+end
 return redis.call('EXISTS', KEYS[3])
 """
 """Append a batch of events under the lease, and read the cancel flag.
 
-KEYS: events, lease, cancel. ARGV: owner, lease_ttl_ms, maxlen, retention_s, schema version,
-then one msgpack event body per entry. Takes the lease if it is free (the owner's own lease
-expired during a slow step), refuses if another owner holds it. Returns ``LEASE_LOST`` (-1,
-nothing written), else 1 when the cancel flag is set and 0 when not.
+KEYS: events, lease, cancel, then any keys whose TTL becomes ``retention_s`` with the stream's
+(the request hash of a ``store: false`` request's terminal batch: shortened in the same step as
+the terminal event is written, so no crash can leave it at the full retention). ARGV: owner,
+lease_ttl_ms, maxlen, retention_s, schema version, then one msgpack event body per entry. Takes
+the lease if it is free (the owner's own lease expired during a slow step), refuses if another
+owner holds it. Returns ``LEASE_LOST`` (-1, nothing written), else 1 when the cancel flag is set
+and 0 when not.
 """
 
 ACQUIRE = """
@@ -172,15 +177,22 @@ if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return -1
 end
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'v', ARGV[5], 'e', ARGV[6])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
+if redis.call('HGET', KEYS[3], 'store') == '0' then
+  redis.call('EXPIRE', KEYS[1], ARGV[7])
+  redis.call('EXPIRE', KEYS[3], ARGV[7])
+else
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+end
 return 1
 """
 """The API ends a request no worker started: the start timeout.
 
 KEYS: events, lease, request. ARGV: owner, lease_ttl_ms, maxlen, retention_s, schema version,
-the msgpack Error body. Returns a ``Claim`` value: ``STARTED`` when the stream already has an
-event, ``GONE`` when the request hash is gone (retention expired: nothing to end), ``HELD``
-when someone holds the lease, ``TIMED_OUT`` when the Error was appended under the new lease.
+the msgpack Error body, unstored_retention_s (the TTL of the stream and the request hash when
+the hash says ``store`` = ``0``). Returns a ``Claim`` value: ``STARTED`` when the stream already
+has an event, ``GONE`` when the request hash is gone (retention expired: nothing to end),
+``HELD`` when someone holds the lease, ``TIMED_OUT`` when the Error was appended under the new
+lease.
 """
 
 
@@ -245,9 +257,14 @@ class Scripts:
         lease_ms: int,
         maxlen: int,
         retention_s: int,
+        also_expire: Sequence[str] = (),
     ) -> int:
-        """Run ``PUBLISH``: ``LEASE_LOST``, else the cancel flag (0 or 1)."""
-        keys_ = [keys.events(rid), keys.lease(rid), keys.cancel(rid)]
+        """Run ``PUBLISH``: ``LEASE_LOST``, else the cancel flag (0 or 1).
+
+        ``also_expire``: keys of the same request whose TTL becomes ``retention_s`` with the
+        stream's (only when the script writes).
+        """
+        keys_ = [keys.events(rid), keys.lease(rid), keys.cancel(rid), *also_expire]
         args: list[Any] = [owner, lease_ms, maxlen, retention_s, SCHEMA_VERSION, *bodies]
         return int(await self._publish(keys_, args))
 
@@ -275,10 +292,12 @@ class Scripts:
         lease_ms: int,
         maxlen: int,
         retention_s: int,
+        unstored_retention_s: int,
     ) -> int:
         """Run ``CLAIM_UNSTARTED`` as ``api-timeout`` with the Error ``body``: a ``Claim``."""
         keys_ = [keys.events(rid), keys.lease(rid), keys.request(rid)]
         args: list[Any] = [API_TIMEOUT_OWNER, lease_ms, maxlen, retention_s, SCHEMA_VERSION, body]
+        args.append(unstored_retention_s)
         return int(await self._claim_unstarted(keys_, args))
 
     async def enqueue_bounded(

@@ -19,7 +19,7 @@ from shared.codec import decode_job
 from shared.errors import NotFound
 from shared.jobs import Job
 
-__all__ = ["REQUESTS", "Stored", "load_owned"]
+__all__ = ["REQUESTS", "RETRIEVABLE", "Stored", "load_owned"]
 
 T = TypeVar("T", covariant=True)  # a Stored[Job] is a Stored[GenerateRequest]
 
@@ -72,3 +72,13 @@ def _no_request(rid: str) -> NotFound:
 
 REQUESTS: Stored[Job] = Stored(read=_read_request, missing=_no_request)
 """The request hash (``sluice:request:{rid}``): the job as it was enqueued."""
+
+
+async def _read_retrievable(state: AppState, rid: str) -> tuple[str, Job] | None:
+    found = await _read_request(state, rid)
+    return None if found is None or not found[1].store else found
+
+
+RETRIEVABLE: Stored[Job] = Stored(read=_read_retrievable, missing=_no_request)
+"""A request hash that may be retrieved as a finished answer: a ``store: false`` one is missing
+(404, as OpenAI answers), though its event routes still resume it within the resume window."""

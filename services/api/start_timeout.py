@@ -92,6 +92,7 @@ async def claim_unstarted(redis: aioredis.Redis, rid: str, settings: Settings) -
         lease_ms=int(settings.retention_s * 1000),
         maxlen=settings.stream_maxlen,
         retention_s=settings.retention_s,
+        unstored_retention_s=settings.unstored_retention_s,
     )
     if result == Claim.TIMED_OUT:
         logger.warning("%s: no worker started it within %gs", rid, settings.start_timeout_s)

@@ -159,6 +159,8 @@ async def _store(state: AppState, job: Job) -> None:
                 "created": repr(job.created),
                 "origin": job.origin,
                 "job": encode_job(job),
+                # read by the start-timeout script, which ends requests it knows only by id
+                "store": "1" if job.store else "0",
             },
         )
         pipe.expire(keys.request(job.request_id), retention)

@@ -129,7 +129,7 @@ async def run_job(wc: WorkerContext, job: Job) -> None:
     """Generate ``job`` onto its stream (idempotent; resumes a lost worker's partial output)."""
     rid = job.request_id
     logs.bind(request_id=rid, model=job.model)
-    pub = Publisher(wc.redis, rid, wc.wid, wc.settings)
+    pub = Publisher(wc.redis, rid, wc.wid, wc.settings, store=job.store)
     entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
     attempt = int(attempts or 0) + 1
     logs.bind(attempt=attempt)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from shared import keys
 from shared.codec import encode_event
 from shared.config import Settings
 from shared.events import AnyEvent, is_terminal
@@ -50,8 +51,16 @@ class Publisher:
     ``recovering:<wid>`` claim when it ends a request it could not hand over).
     """
 
-    def __init__(self, redis: aioredis.Redis, rid: str, owner: str, settings: Settings) -> None:
-        """Bind to the request's keys."""
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        rid: str,
+        owner: str,
+        settings: Settings,
+        *,
+        store: bool = True,
+    ) -> None:
+        """Bind to the request's keys (``store``: the job's; False shortens its retention)."""
         self.redis = redis
         self.rid = rid
         self.owner = owner
@@ -59,6 +68,11 @@ class Publisher:
         self._lease_ms = int(settings.lease_ttl_s * 1000)
         self._maxlen = settings.stream_maxlen
         self._retention_s = settings.retention_s
+        # store: false keeps the full retention while the request runs (a queue wait or a long
+        # prefill must not expire its log), and only the terminal batch cuts the stream and the
+        # request hash down to the resume window, atomically with writing the terminal event.
+        self._end_retention_s = settings.retention_s if store else settings.unstored_retention_s
+        self._end_expire = () if store else (keys.request(rid),)
         self.terminal: AnyEvent | None = None
         self.lease_lost = False
         self.published = 0
@@ -86,13 +100,15 @@ class Publisher:
 
     async def _write(self, events: Sequence[AnyEvent]) -> Outcome:
         bodies = [encode_event(e) for e in events]
+        ends = any(is_terminal(e) for e in events)
         result = await self._scripts.publish(
             self.rid,
             self.owner,
             bodies,
             lease_ms=self._lease_ms,
             maxlen=self._maxlen,
-            retention_s=self._retention_s,
+            retention_s=self._end_retention_s if ends else self._retention_s,
+            also_expire=self._end_expire if ends else (),
         )
         if result == LEASE_LOST:
             self.lease_lost = True

@@ -32,7 +32,7 @@ from services import arq_keys
 from services.worker.job_function import WorkerContext
 from services.worker.publisher import Publisher
 from shared import keys
-from shared.codec import decode_entry
+from shared.codec import decode_entry, decode_job
 from shared.events import Error, is_terminal
 from shared.protocol import ENQUEUED, JOB_FUNCTION, Scripts, claim_lost
 
@@ -196,7 +196,8 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
     if payload is None or attempt > wc.settings.max_attempts:
         why = "its request record is gone" if payload is None else f"{attempts} lost attempts"
         log.warning("%s: giving up after a lost worker (%s)", rid, why)
-        pub = Publisher(wc.redis, rid, claim, wc.settings)
+        store = payload is None or decode_job(payload).store  # no hash: the flag is gone too
+        pub = Publisher(wc.redis, rid, claim, wc.settings, store=store)
         message = f"the worker generating this request was lost ({why})"
         await pub.ensure_terminal(lambda: [Error(kind="worker_lost", message=message)])
         await wc.redis.zrem(keys.inflight(wc.name), rid)

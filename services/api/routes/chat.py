@@ -15,7 +15,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from services.api.auth import authenticate
-from services.api.ownership import REQUESTS, load_owned
+from services.api.ownership import REQUESTS, RETRIEVABLE, load_owned
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, sse_response
@@ -77,7 +77,7 @@ async def create_chat_completion(request: Request) -> Response:
 async def retrieve_chat_completion(rid: str, request: Request) -> Response:
     """The ``chat.completion`` of a stored request (waits for the end if still generating)."""
     state = get_state(request)
-    job = await load_owned(state, REQUESTS, rid, await authenticate(request))
+    job = await load_owned(state, RETRIEVABLE, rid, await authenticate(request))
     ctx = _context(state, job, include_usage=True)
     return await _completion(state, request, ctx, {"x-request-id": rid})
 

@@ -17,7 +17,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from services.api.auth import authenticate
-from services.api.ownership import REQUESTS, load_owned
+from services.api.ownership import REQUESTS, RETRIEVABLE, Stored, load_owned
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, sse_response
@@ -26,7 +26,7 @@ from services.api.wire import anthropic_messages
 from services.api.wire.common import IGNORED_TOOLS_HEADER
 from shared.accumulate import fold
 from shared.errors import InvalidRequest
-from shared.jobs import GenerateRequest
+from shared.jobs import GenerateRequest, Job
 
 __all__ = ["router"]
 
@@ -86,15 +86,17 @@ async def count_tokens(request: Request) -> Response:
     return Response(_JSON.encode({"input_tokens": count}), media_type="application/json")
 
 
-async def _stored(state: AppState, request: Request, rid: str) -> anthropic_messages.Context:
-    return _context(state, await load_owned(state, REQUESTS, rid, await authenticate(request)))
+async def _stored(
+    state: AppState, request: Request, rid: str, stored: Stored[Job] = REQUESTS
+) -> anthropic_messages.Context:
+    return _context(state, await load_owned(state, stored, rid, await authenticate(request)))
 
 
 @router.get("/v1/messages/{rid}")
 async def retrieve_message(rid: str, request: Request) -> Response:
     """The finished message of a stored request (waits for the end if still generating)."""
     state = get_state(request)
-    ctx = await _stored(state, request, rid)
+    ctx = await _stored(state, request, rid, RETRIEVABLE)
     body = anthropic_messages.render(fold(await collect_events(state, request, rid)), ctx)
     return Response(_JSON.encode(body), media_type="application/json", headers={"request-id": rid})
 

@@ -252,3 +252,12 @@ def test_custom_tools_are_accepted_and_left_out_of_the_prompt() -> None:
     missing = {"type": "function", "function": {"name": "nope"}}
     rejects({"tools": TOOLS, "tool_choice": missing}, "tool_choice")
     rejects({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice")
+
+
+@pytest.mark.parametrize(("store", "kept"), [(None, True), (True, True), (False, False)])
+def test_only_an_explicit_store_false_makes_a_chat_request_unstored(
+    store: bool | None, kept: bool
+) -> None:
+    # OpenAI defaults store to false, but sluice's chat answers are retrievable by id unless
+    # the client opts out: the README promises it.
+    assert parse({} if store is None else {"store": store}).job.store is kept

@@ -294,3 +294,9 @@ def test_bad_input_is_invalid_request_with_param(
 def test_unknown_fields_are_ignored() -> None:
     job = _job({"model": "m", "input": "x", "service_tier": "auto", "prompt_cache_key": "k"})
     assert job.messages[0].text == "x"
+
+
+@pytest.mark.parametrize(("store", "kept"), [(None, True), (True, True), (False, False)])
+def test_responses_store_reaches_the_job(store: bool | None, kept: bool) -> None:
+    body: dict[str, object] = {"model": "m", "input": "hi"}
+    assert _job(body if store is None else body | {"store": store}).store is kept

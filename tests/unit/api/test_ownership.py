@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from services.api import responses_store
-from services.api.ownership import REQUESTS, load_owned
+from services.api.ownership import REQUESTS, RETRIEVABLE, load_owned
 from services.api.state import AppState
 from shared import keys
 from shared.codec import encode_job
@@ -64,3 +64,14 @@ async def test_stored_responses_follow_the_same_rule() -> None:
     with pytest.raises(NotFound) as other:
         await load_owned(state, responses_store.RESPONSES, skeleton.id, "b")
     assert other.value.param == "response_id"
+
+
+async def test_an_unstored_request_is_missing_to_retrieve_but_not_to_resume() -> None:
+    unstored = msgspec.structs.replace(JOB, store=False)
+    state = await _state({keys.request(RID): {"owner": b"a", "job": encode_job(unstored)}})
+    assert await load_owned(state, REQUESTS, RID, "a") == unstored  # the events routes
+    with pytest.raises(NotFound) as info:
+        await load_owned(state, RETRIEVABLE, RID, "a")
+    assert info.value.message == f"no request with id '{RID}'"  # as if it never existed
+    stored = await _state({keys.request(RID): {"owner": b"a", "job": encode_job(JOB)}})
+    assert await load_owned(stored, RETRIEVABLE, RID, "a") == JOB

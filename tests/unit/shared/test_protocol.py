@@ -35,6 +35,7 @@ from shared.protocol import (
 RID = "req-proto"
 LEASE_MS = 3000
 RETENTION_S = 120
+UNSTORED_S = 7
 
 
 @pytest.fixture
@@ -205,7 +206,12 @@ async def test_claim_lost_refuses_a_live_lease(fake: fakeredis.FakeAsyncRedis) -
 async def claim(scripts: Scripts) -> int:
     body = encode_event(Error(kind="overloaded", message="late", retryable=True))
     return await scripts.claim_unstarted(
-        RID, body, lease_ms=RETENTION_S * 1000, maxlen=1000, retention_s=RETENTION_S
+        RID,
+        body,
+        lease_ms=RETENTION_S * 1000,
+        maxlen=1000,
+        retention_s=RETENTION_S,
+        unstored_retention_s=UNSTORED_S,
     )
 
 

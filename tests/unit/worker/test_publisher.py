@@ -108,3 +108,40 @@ async def test_maxlen_caps_the_stream(redis: aioredis.Redis) -> None:
         await pub.publish([TextDelta(text=str(i), token_ids=[i])] * 10)
     # "MAXLEN ~" trims whole radix-tree nodes (100 entries by default), never below the cap.
     assert 10 <= await redis.xlen(keys.events(RID)) <= 200
+
+
+async def test_store_false_keeps_the_full_retention_until_the_terminal_cuts_it(
+    redis: aioredis.Redis,
+) -> None:
+    await redis.hset(keys.request(RID), "job", b"x")
+    await redis.expire(keys.request(RID), 1000)
+    pub = Publisher(
+        redis, RID, "w1", settings(retention_s=1000, unstored_retention_s=30), store=False
+    )
+    assert await pub.acquire()
+    await pub.publish([start(), TextDelta(text="a", token_ids=[1])])
+    assert 30 < await redis.ttl(keys.events(RID)) <= 1000  # a long run must not expire
+    assert 30 < await redis.ttl(keys.request(RID)) <= 1000
+    await pub.publish([Finish(reason="end_turn")])
+    assert 0 < await redis.ttl(keys.events(RID)) <= 30
+    assert 0 < await redis.ttl(keys.request(RID)) <= 30
+
+
+async def test_stored_terminal_leaves_the_request_hash_alone(redis: aioredis.Redis) -> None:
+    await redis.hset(keys.request(RID), "job", b"x")
+    await redis.expire(keys.request(RID), 1000)
+    pub = Publisher(redis, RID, "w1", settings(retention_s=500, unstored_retention_s=30))
+    assert await pub.acquire()
+    await pub.publish([start(), Finish(reason="end_turn")])
+    assert 30 < await redis.ttl(keys.events(RID)) <= 500
+    assert 500 < await redis.ttl(keys.request(RID)) <= 1000
+
+
+async def test_a_fenced_unstored_terminal_shortens_nothing(redis: aioredis.Redis) -> None:
+    await redis.hset(keys.request(RID), "job", b"x")
+    await redis.expire(keys.request(RID), 1000)
+    await redis.set(keys.lease(RID), "w2")
+    pub = Publisher(redis, RID, "w1", settings(unstored_retention_s=30), store=False)
+    assert await pub.publish([start(), Finish(reason="end_turn")]) is Outcome.LEASE_LOST
+    assert await redis.ttl(keys.request(RID)) > 30
+    assert await redis.exists(keys.events(RID)) == 0

@@ -123,6 +123,9 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     min_tokens: int | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # OpenAI's default is false, but sluice keeps every chat answer retrievable by id unless the
+    # client says otherwise: only an explicit false makes the request unstored.
+    store: bool | None = None
 
 
 class ChatOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,6 +190,7 @@ def parse_request(
         constraint=_constraint(req),
         user=req.user,
         metadata=dict(req.metadata or {}),
+        store=req.store is not False,
     )
     options = ChatOptions(
         stream=bool(req.stream),

@@ -368,4 +368,5 @@ def build_job(
         created=created,
         user=req.user,
         metadata=req.metadata or {},
+        store=req.store is not False,
     )
