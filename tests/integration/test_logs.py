@@ -7,6 +7,7 @@ whether either leaked into a log line.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -51,6 +52,23 @@ def one(entries: list[dict[str, Any]], msg: str, rid: str) -> dict[str, Any]:
     return entry
 
 
+async def settled(stream: io.StringIO, rid: str) -> list[dict[str, Any]]:
+    """The lines once the request's access line and "generation ended" are both written.
+
+    The client has its answer before either is logged (the access line after the body's last
+    chunk went out, "generation ended" after the terminal event was published), so on a slow
+    machine they can land a moment after the reply: wait for them, up to 10 s.
+    """
+    for _ in range(200):
+        entries = lines(stream)
+        mine = {e["msg"] for e in entries if e.get("request_id") == rid}
+        access = any(e["logger"] == "sluice.access" for e in entries if e.get("request_id") == rid)
+        if access and "generation ended" in mine:
+            return entries
+        await asyncio.sleep(0.05)
+    return lines(stream)
+
+
 async def ask(api: str, model: str, text: str) -> str:
     body = {"model": model, "messages": [{"role": "user", "content": text}]}
     async with httpx.AsyncClient(timeout=30) as client:
@@ -69,7 +87,7 @@ async def test_lines_carry_request_fields_and_no_content(
         running_worker(redis_url, "scripted:echo?rate=0", wid="log-w") as worker,
     ):
         rid = await ask(api, worker.name, "zebra quokka")
-        entries = lines(captured)
+        entries = await settled(captured, rid)
         assert "zebra" not in captured.getvalue()
 
         access = [e for e in entries if e["logger"] == "sluice.access"]
@@ -91,6 +109,6 @@ async def test_lines_carry_request_fields_and_no_content(
 
         logs.set_content(True)  # as SLUICE_LOG_CONTENT=true does through configure()
         rid = await ask(api, worker.name, "zebra giraffe")
-        entries = lines(captured)
+        entries = await settled(captured, rid)
         assert "zebra giraffe" in one(entries, "generation started", rid)["prompt"]
         assert "zebra giraffe" in one(entries, "generation ended", rid)["output"]
