@@ -92,7 +92,7 @@ async def run(redis: aioredis.Redis, base: str, n: int, slow_s: float) -> dict[s
 
 
 def start_stack(url: str, port: int) -> list[subprocess.Popen[bytes]]:
-    """A scripted ``sluice worker`` and a ``sluice api`` on ``url``; returns once the API is ready."""
+    """A scripted ``sluice worker`` and a ``sluice api`` on ``url``, once the API is ready."""
     env = {**os.environ, "SLUICE_REDIS_URL": url, "SLUICE_LOG_LEVEL": "warning"}
     env["SLUICE_PORT"] = str(port)
     cmd = [sys.executable, "-m", "services.cli"]
