@@ -9,7 +9,7 @@ generation, streaming) with each kind of key on its own server.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from services import arq_keys
 from services.redis_local import PrivateRedis, find_redis_server, start_private_redis
 from shared import keys
 from shared.config import Settings
@@ -33,7 +34,7 @@ NOWHERE = "redis://127.0.0.1:1/0"  # nothing listens on port 1: any use of it fa
 
 
 @pytest.fixture
-def queue_redis() -> AsyncIterator[PrivateRedis]:
+def queue_redis() -> Iterator[PrivateRedis]:
     found = find_redis_server()
     if found is None:
         pytest.fail("no redis-server on PATH for the queue side")
@@ -50,7 +51,13 @@ async def test_events_and_queue_on_separate_servers(
     redis: aioredis.Redis, redis_url: str, queue_redis: PrivateRedis
 ) -> None:
     split = {"events_url": redis_url, "queue_url": queue_redis.url}
-    settings = Settings(redis_url=NOWHERE, keepalive_s=0.5, heartbeat_s=0.2, **split)
+    settings = Settings(
+        redis_url=NOWHERE,
+        events_url=redis_url,
+        queue_url=queue_redis.url,
+        keepalive_s=0.5,
+        heartbeat_s=0.2,
+    )
     queue = aioredis.Redis.from_url(queue_redis.url)
     try:
         async with (
@@ -77,10 +84,12 @@ async def test_events_and_queue_on_separate_servers(
         assert await redis.exists(keys.events(rid), keys.request(rid)) == 2
         assert await redis.exists(keys.model_card(worker.name)) == 1
         # ... and nothing of arq's is: its enqueue script and pickup ran on the queue server.
+        arq_prefixes = (arq_keys.job(""), arq_keys.in_progress(""), arq_keys.result(""))
         events_side = [k.decode() for k in await redis.keys("*")]
-        assert not [k for k in events_side if k.startswith("arq:") or ":queue:" in k]
+        assert keys.queue(worker.name) not in events_side
+        assert not [k for k in events_side if k.startswith(arq_prefixes)]
         queue_side = [k.decode() for k in await queue.keys("*")]
-        assert not [k for k in queue_side if k.startswith(f"{keys.PREFIX}:events:")]
+        assert keys.events(rid) not in queue_side and keys.request(rid) not in queue_side
         stats = await queue.info("commandstats")
         assert stats["cmdstat_evalsha"]["calls"] >= 1  # the bounded enqueue
         assert stats["cmdstat_zrangebyscore"]["calls"] >= 1  # arq's poll
