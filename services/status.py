@@ -37,8 +37,9 @@ def _num(value: bytes | None) -> float:
         return 0.0
 
 
-async def snapshot(redis: aioredis.Redis) -> dict[str, Any]:
-    """One consistent-enough reading of the cluster (a few pipelined round trips)."""
+async def snapshot(redis: aioredis.Redis, queue: aioredis.Redis | None = None) -> dict[str, Any]:
+    """One consistent-enough reading of the cluster (a few pipelined round trips); ``queue`` is
+    arq's Redis when it is not ``redis``."""
     now = time.time()
     beats = await redis.zrange(keys.workers(), 0, -1, withscores=True)
     names = sorted(m.decode() for m in await redis.smembers(keys.models()))  # type: ignore[misc]
@@ -70,7 +71,7 @@ async def snapshot(redis: aioredis.Redis) -> dict[str, Any]:
         )
     models = []
     for i, name in enumerate(names):
-        queued = await arq_keys.waiting(redis, keys.queue(name))
+        queued = await arq_keys.waiting(queue or redis, keys.queue(name))
         models.append(
             {
                 "name": name,
@@ -130,10 +131,11 @@ def format_text(snap: dict[str, Any]) -> str:
 
 
 async def _run(settings: Settings, watch: float | None, as_json: bool) -> int:
-    redis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    redis = aioredis.Redis.from_url(settings.events_redis_url, socket_connect_timeout=5)
+    queue = aioredis.Redis.from_url(settings.queue_redis_url, socket_connect_timeout=5)
     try:
         while True:
-            snap = await snapshot(redis)
+            snap = await snapshot(redis, queue)
             if as_json:
                 print(json.dumps(snap), flush=True)
             else:
@@ -144,6 +146,7 @@ async def _run(settings: Settings, watch: float | None, as_json: bool) -> int:
             await asyncio.sleep(watch)
     finally:
         await redis.aclose()
+        await queue.aclose()
 
 
 def run_status(settings: Settings, *, watch: float | None = None, as_json: bool = False) -> int:
@@ -153,5 +156,6 @@ def run_status(settings: Settings, *, watch: float | None = None, as_json: bool 
     except KeyboardInterrupt:
         return 0
     except (RedisError, OSError) as exc:
-        print(f"sluice status: cannot read Redis at {settings.redis_url}: {exc}", file=sys.stderr)
+        url = settings.events_redis_url
+        print(f"sluice status: cannot read Redis at {url}: {exc}", file=sys.stderr)
         return 1

@@ -18,6 +18,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Every tunable of the API and the worker, with its environment variable in the comment."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"  # SLUICE_REDIS_URL
+    # SLUICE_EVENTS_URL: event logs, request state, leases, stored responses, cards, heartbeats;
+    # SLUICE_QUEUE_URL: arq's queues (arq needs one Redis). Empty = SLUICE_REDIS_URL, so a
+    # single Redis needs neither; two let the hot event traffic move off the queue's server.
+    events_url: str = ""
+    queue_url: str = ""
     host: str = "127.0.0.1"  # SLUICE_HOST
     port: int = 8000  # SLUICE_PORT
     api_keys: list[str] = []  # SLUICE_API_KEYS (comma-separated); empty = auth off
@@ -83,6 +88,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 raw[field.name] = value
         raw.update({k: v for k, v in overrides.items() if v is not None})
         return msgspec.convert(raw, cls, strict=False)
+
+    @property
+    def events_redis_url(self) -> str:
+        """Where event logs and request state live (``SLUICE_EVENTS_URL``, else the Redis URL)."""
+        return self.events_url or self.redis_url
+
+    @property
+    def queue_redis_url(self) -> str:
+        """Where arq's queues live (``SLUICE_QUEUE_URL``, else the Redis URL)."""
+        return self.queue_url or self.redis_url
 
     def all_api_keys(self) -> set[str]:
         """Keys from the variable and the keys file together (file read on each call)."""

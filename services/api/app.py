@@ -81,15 +81,19 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = aioredis.ConnectionPool.from_url(settings.redis_url)
+        pool = aioredis.ConnectionPool.from_url(settings.events_redis_url)
         redis = aioredis.Redis(connection_pool=pool)
+        queue_url = settings.queue_redis_url
+        # One Redis (the default) shares one pool; a separate queue Redis gets its own.
+        same = queue_url == settings.events_redis_url
+        queue_pool = pool if same else aioredis.ConnectionPool.from_url(queue_url)
         # Never pickle: the job is msgpack bytes inside an arq envelope that is msgpack too.
         arq = ArqRedis(
-            pool,
+            queue_pool,
             job_serializer=msgspec.msgpack.encode,
             job_deserializer=msgspec.msgpack.decode,
         )
-        hub = StreamHub(settings.redis_url, redis)
+        hub = StreamHub(settings.events_redis_url, redis)
         hub.on_read = metrics.xread_entries.observe
         metrics.hub_subscriptions.set_function(lambda: hub.subscriptions)
         await hub.start()
@@ -104,7 +108,7 @@ def create_app(settings: Settings) -> FastAPI:
         state.reasoning_key = await load_reasoning_key(redis, settings)
         app.state.sluice = state
         # Requests nobody streams must time out too (the pipeline covers the watched ones).
-        sweeper = asyncio.create_task(sweep_loop(redis, settings), name="sluice-start-timeout")
+        sweeper = asyncio.create_task(sweep_loop(redis, arq, settings), name="sluice-start-timeout")
         try:
             yield
         finally:
@@ -114,6 +118,8 @@ def create_app(settings: Settings) -> FastAPI:
             if state.background:  # pending cancel flags: give them a moment to land
                 await asyncio.wait(list(state.background), timeout=2)
             await pool.aclose()
+            if queue_pool is not pool:
+                await queue_pool.aclose()
 
     app = FastAPI(
         title="sluice",

@@ -135,15 +135,16 @@ class ApiMetrics:
             registry=r,
         )
 
-    async def render(self, redis: aioredis.Redis) -> bytes:
-        """Read the cluster gauges from Redis, then the exposition text of the registry."""
-        await self._read_cluster(redis)
+    async def render(self, redis: aioredis.Redis, queue: aioredis.Redis | None = None) -> bytes:
+        """Read the cluster gauges from Redis (``queue``: arq's, when not ``redis``), then the
+        exposition text of the registry."""
+        await self._read_cluster(redis, queue or redis)
         return generate_latest(self.registry)
 
-    async def _read_cluster(self, redis: aioredis.Redis) -> None:
+    async def _read_cluster(self, redis: aioredis.Redis, queue: aioredis.Redis) -> None:
         models = sorted(m.decode() for m in await redis.smembers(keys.models()))  # type: ignore[misc]
         worker_ids = [w.decode() for w in await redis.zrange(keys.workers(), 0, -1)]
-        queues = [await arq_keys.waiting(redis, keys.queue(model)) for model in models]
+        queues = [await arq_keys.waiting(queue, keys.queue(model)) for model in models]
         async with redis.pipeline(transaction=False) as pipe:
             for model in models:
                 pipe.zcard(keys.inflight(model))

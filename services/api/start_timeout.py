@@ -66,13 +66,16 @@ async def start_deadline(redis: aioredis.Redis, rid: str, settings: Settings) ->
     return now + settings.start_timeout_s - age
 
 
-async def claim_unstarted(redis: aioredis.Redis, rid: str, settings: Settings) -> int:
+async def claim_unstarted(
+    redis: aioredis.Redis, rid: str, settings: Settings, *, queue: aioredis.Redis | None = None
+) -> int:
     """End a request that no worker has started with ``Error(overloaded, retryable=True)``.
 
     Args:
-        redis: the command client.
+        redis: the command client (the events Redis).
         rid: the request id.
         settings: the process settings (lease TTL, stream cap, retention).
+        queue: the queue Redis (arq's keys), when it is not ``redis``.
 
     Returns:
         A ``Claim`` value: ``TIMED_OUT`` when this call wrote the Error (the event reaches every
@@ -96,24 +99,27 @@ async def claim_unstarted(redis: aioredis.Redis, rid: str, settings: Settings) -
     )
     if result == Claim.TIMED_OUT:
         logger.warning("%s: no worker started it within %gs", rid, settings.start_timeout_s)
-        await _dequeue(redis, rid)
+        await _dequeue(redis, queue or redis, rid)
     return result
 
 
-async def _dequeue(redis: aioredis.Redis, rid: str) -> None:
+async def _dequeue(redis: aioredis.Redis, queue: aioredis.Redis, rid: str) -> None:
     try:
         model = await redis.hget(keys.request(rid), "model")  # type: ignore[misc]
-        async with redis.pipeline(transaction=False) as pipe:
+        if model is not None:
+            await redis.zrem(keys.inflight(model.decode()), rid)
+        async with queue.pipeline(transaction=False) as pipe:  # arq's keys: the queue Redis
             if model is not None:
                 pipe.zrem(keys.queue(model.decode()), rid)
-                pipe.zrem(keys.inflight(model.decode()), rid)
             pipe.delete(arq_keys.job(rid))
             await pipe.execute()
     except Exception:  # boundary: the lease already fences any worker; this is tidying up
         logger.exception("%s: could not remove the timed-out job", rid)
 
 
-async def sweep_unstarted(redis: aioredis.Redis, settings: Settings) -> list[str]:
+async def sweep_unstarted(
+    redis: aioredis.Redis, settings: Settings, *, queue: aioredis.Redis | None = None
+) -> list[str]:
     """Time out every in-flight request older than ``start_timeout_s`` that no worker started.
 
     Candidates come from ``sluice:inflight:{model}`` (scored by creation time, ms); each is then
@@ -121,7 +127,8 @@ async def sweep_unstarted(redis: aioredis.Redis, settings: Settings) -> list[str
     processes sweeping at once still write at most one Error.
 
     Args:
-        redis: the command client.
+        redis: the command client (the events Redis).
+        queue: the queue Redis (arq's keys), when it is not ``redis``.
         settings: the process settings.
 
     Returns:
@@ -141,7 +148,7 @@ async def sweep_unstarted(redis: aioredis.Redis, settings: Settings) -> list[str
         for rid, length in zip(members, lengths, strict=True):
             if length:
                 continue
-            result = await claim_unstarted(redis, rid.decode(), settings)
+            result = await claim_unstarted(redis, rid.decode(), settings, queue=queue)
             if result == Claim.TIMED_OUT:
                 timed_out.append(rid.decode())
             elif result == Claim.GONE:  # a leftover entry: its request expired
@@ -149,17 +156,18 @@ async def sweep_unstarted(redis: aioredis.Redis, settings: Settings) -> list[str
     return timed_out
 
 
-async def sweep_loop(redis: aioredis.Redis, settings: Settings) -> None:
+async def sweep_loop(redis: aioredis.Redis, queue: aioredis.Redis, settings: Settings) -> None:
     """``sweep_unstarted`` every ``min(start_timeout_s / 4, 5 s)`` until cancelled.
 
     Args:
-        redis: the command client.
+        redis: the command client (the events Redis).
+        queue: the queue Redis (arq's keys).
         settings: the process settings.
     """
     period = max(0.05, min(settings.start_timeout_s / 4, 5.0))
     while True:
         await asyncio.sleep(period)
         try:
-            await sweep_unstarted(redis, settings)
+            await sweep_unstarted(redis, settings, queue=queue)
         except Exception:  # boundary: a Redis hiccup must not end the sweeping for good
             logger.exception("start-timeout sweep failed")

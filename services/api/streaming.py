@@ -95,7 +95,7 @@ async def _batches(
                 if deadline <= time.monotonic():
                     # Past the deadline: end it unless a worker got there first (then look
                     # again a keepalive later, in case that worker dies before its Start).
-                    await claim_unstarted(state.redis, rid, state.settings)
+                    await claim_unstarted(state.redis, rid, state.settings, queue=state.arq)
                     deadline = time.monotonic() + keepalive_s
                 wait_s = min(wait_s, deadline - time.monotonic())
             entries = await sub.get_batch(max(wait_s, 0.0))

@@ -103,7 +103,7 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
             context_length=context,
         )
     queue = keys.queue(job.model)
-    queued = await state.redis.zcard(queue)
+    queued = await state.arq.zcard(queue)
     if queued >= state.settings.queue_max:
         raise RateLimited(f"the queue for '{job.model}' is full ({queued} requests)", retry_after=1)
     rid = job.request_id or new_request_id()
@@ -129,7 +129,7 @@ async def _enqueue(state: AppState, job: Job) -> int:
     all at once."""
     now_ms = int(time.time() * 1000)
     serializer: Callable[[Any], bytes] = state.arq.job_serializer or msgspec.msgpack.encode
-    return await Scripts(state.redis).enqueue_bounded(
+    return await Scripts(state.arq).enqueue_bounded(
         job.model,
         job.request_id,
         arq_keys.envelope(JOB_FUNCTION, encode_job(job), now_ms, serializer),

@@ -65,6 +65,8 @@ class WorkerContext:
     backend: Backend
     name: str  # the public model id this worker serves
     wid: str
+    # arq's Redis (``SLUICE_QUEUE_URL``) for the sweeper's queue repairs; None: ``redis``.
+    queue: aioredis.Redis | None = None
     active: dict[str, ActiveJob] = field(default_factory=dict)
     stopping: bool = False  # shutting down: in-flight requests are handed over or failed
     killed: bool = False  # test harness hard kill: behave like SIGKILL, publish nothing

@@ -198,7 +198,7 @@ async def start_worker(
     settings: Settings, backend: Backend, *, wid: str | None = None
 ) -> RunningWorker:
     """Start a worker for ``backend`` on the running loop: card, heartbeat, arq, sweeper."""
-    redis = aioredis.Redis.from_url(settings.redis_url)
+    redis = aioredis.Redis.from_url(settings.events_redis_url)
     try:
         await redis.ping()
         await backend.start()
@@ -225,11 +225,12 @@ async def start_worker(
         await pipe.execute()
     await beat_once(wc)  # registered before the first job can arrive
     arq = ArqRedis(
-        aioredis.ConnectionPool.from_url(settings.redis_url),
+        aioredis.ConnectionPool.from_url(settings.queue_redis_url),
         job_serializer=arq_serialize,
         job_deserializer=arq_deserialize,
         default_queue_name=keys.queue(name),
     )
+    wc.queue = arq  # the sweeper's view of arq's keys
     worker = OwnJobsWorker(
         functions=[func(generate, name=JOB_FUNCTION, max_tries=1)],
         queue_name=keys.queue(name),
@@ -275,7 +276,8 @@ async def _serve(settings: Settings, backend: Backend) -> int:
     try:
         running = await start_worker(settings, backend)
     except RedisError as exc:
-        print(f"sluice worker: cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
+        url = settings.events_redis_url
+        print(f"sluice worker: cannot reach Redis at {url}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # the backend's start-up (e.g. loading weights) failed
         print(f"sluice worker: cannot start model {backend.card.name!r}: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 from redis.exceptions import RedisError
 
@@ -73,14 +74,18 @@ async def sweep_once(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> 
     async with wc.redis.pipeline(transaction=False) as pipe:
         for rid in rids:
             pipe.exists(keys.lease(rid))
+            pipe.exists(keys.events(rid))
+        mine = await pipe.execute()
+    async with arq.pipeline(transaction=False) as pipe:  # arq's keys live on the queue Redis
+        for rid in rids:
             pipe.pttl(arq_keys.in_progress(rid))
             pipe.zscore(keys.queue(wc.name), rid)
-            pipe.exists(keys.events(rid))
-        flat = await pipe.execute()
+        theirs = await pipe.execute()
     in_progress_ms = (job_timeout_s + arq_keys.IN_PROGRESS_EXTRA_S) * 1000
     acted: list[str] = []
     for i, rid in enumerate(rids):
-        leased, pttl, queued, started = flat[4 * i : 4 * i + 4]
+        leased, started = mine[2 * i : 2 * i + 2]
+        pttl, queued = theirs[2 * i : 2 * i + 2]
         if leased:
             continue
         if queued is not None and pttl == -2:
@@ -111,8 +116,8 @@ async def _requeue_expired(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
     n = int(attempts or 0)
     jid = rid if n == 0 else f"{rid}:{n + 1}"
     serializer: Callable[[Any], bytes] = arq.job_serializer or msgspec.msgpack.encode
-    await wc.redis.delete(arq_keys.result(jid))  # arq's "expired" record would block the id
-    result = await Scripts(wc.redis).enqueue_bounded(
+    await arq.delete(arq_keys.result(jid))  # arq's "expired" record would block the id
+    result = await Scripts(arq).enqueue_bounded(
         wc.name,
         jid,
         arq_keys.envelope(JOB_FUNCTION, payload, int(since), serializer),
@@ -124,6 +129,11 @@ async def _requeue_expired(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
     )
     log.info("%s: waited past its job expiry; queued again at its place (%s)", rid, result)
     return result == ENQUEUED
+
+
+def _queue(wc: WorkerContext) -> aioredis.Redis:
+    """Where arq's keys live: the queue Redis when it is a separate one."""
+    return wc.queue or wc.redis
 
 
 def _job_ids(rid: str, attempts: int) -> list[str]:
@@ -140,7 +150,7 @@ async def _drop_jobs(wc: WorkerContext, job_ids: list[str]) -> None:
     ops/s after one kill in the field) and enough of them fill the ids arq reads per poll
     (``queue_read_limit``) so that no new request ever starts.
     """
-    async with wc.redis.pipeline(transaction=False) as pipe:
+    async with _queue(wc).pipeline(transaction=False) as pipe:
         pipe.zrem(keys.queue(wc.name), *job_ids)
         pipe.delete(*[arq_keys.in_progress(j) for j in job_ids], *map(arq_keys.job, job_ids))
         await pipe.execute()
@@ -153,10 +163,11 @@ async def sweep_orphans(wc: WorkerContext, limit: int) -> list[str]:
     a queue entry with an in-progress marker for a request no longer in flight, which the
     in-flight sweep never sees. Only the first ``limit`` ids are looked at: the ones arq reads.
     """
-    jids = [j.decode() for j in await wc.redis.zrange(keys.queue(wc.name), 0, limit - 1)]
+    queue = _queue(wc)
+    jids = [j.decode() for j in await queue.zrange(keys.queue(wc.name), 0, limit - 1)]
     if not jids:
         return []
-    async with wc.redis.pipeline(transaction=False) as pipe:
+    async with queue.pipeline(transaction=False) as pipe:
         for jid in jids:
             pipe.exists(arq_keys.in_progress(jid))
         running = await pipe.execute()

@@ -53,4 +53,4 @@ async def readyz(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     """Prometheus exposition of this API process, plus the queue gauges read from Redis."""
     state = get_state(request)
-    return Response(await state.metrics.render(state.redis), media_type=CONTENT_TYPE)
+    return Response(await state.metrics.render(state.redis, state.arq), media_type=CONTENT_TYPE)

@@ -38,3 +38,17 @@ def test_per_request_keys_share_one_cluster_slot() -> None:
     tagged = [keys.events(rid), keys.request(rid), keys.cancel(rid), keys.lease(rid)]
     assert all("{req_abc}" in k for k in tagged)
     assert len(set(tagged)) == len(tagged)
+
+
+def test_events_and_queue_urls_default_to_the_redis_url() -> None:
+    one = Settings.from_env({"SLUICE_REDIS_URL": "redis://r:1/2"})
+    assert one.events_redis_url == one.queue_redis_url == "redis://r:1/2"
+    split = Settings.from_env(
+        {
+            "SLUICE_REDIS_URL": "redis://r:1/2",
+            "SLUICE_EVENTS_URL": "redis://events:6379/0",
+            "SLUICE_QUEUE_URL": "redis://queue:6379/0",
+        }
+    )
+    assert split.events_redis_url == "redis://events:6379/0"
+    assert split.queue_redis_url == "redis://queue:6379/0"
