@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services import arq_keys
+from services.redis_rtt import redis_rtt_histogram
 from shared import keys
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HTTP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 # Entries one XREAD returned: 1 when idle, up to the hub's COUNT under load.
 XREAD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 _FORMATS = (
     ("/v1/chat/completions", "openai_chat"),
@@ -103,13 +103,7 @@ class ApiMetrics:
             buckets=XREAD_BUCKETS,
             registry=r,
         )
-        self.redis_rtt = Histogram(
-            "sluice_redis_rtt_seconds",
-            "Round-trip time of Redis calls, by operation",
-            ["op"],
-            buckets=RTT_BUCKETS,
-            registry=r,
-        )
+        self.redis_rtt = redis_rtt_histogram(r)
         self.waiting = Gauge(
             "sluice_num_requests_waiting",
             "Jobs in the model's queue that no worker has picked up (read from Redis at scrape)",

@@ -25,6 +25,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from services.redis_rtt import redis_rtt_histogram
 from shared.events import AnyEvent, Error, Finish, Start
 
 __all__ = ["RequestTimer", "WorkerMetrics"]
@@ -44,8 +45,6 @@ ITL_BUCKETS = (
 STEP_BUCKETS = ITL_BUCKETS
 # Sequences per decode step: powers of two up to the largest batch anyone configures.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Redis round trips: sub-millisecond on one host, a few ms across a network.
-RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
 class WorkerMetrics:
@@ -156,13 +155,7 @@ class WorkerMetrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
-        self.redis_rtt = Histogram(
-            "sluice_redis_rtt_seconds",
-            "Round-trip time of Redis calls, by operation",
-            ["op"],
-            buckets=RTT_BUCKETS,
-            registry=r,
-        )
+        self.redis_rtt = redis_rtt_histogram(r)
         self.info = Gauge(
             "sluice_worker_info",
             "Always 1; labels name the worker",
