@@ -179,6 +179,9 @@ async def _frames(
     finished = False
     rec = access.record()
     began = time.perf_counter()
+    # A projector that reports when things happened (Responses' completed_at) reads it off the
+    # log's entry ids, the same for every reader; looked up once, not per event.
+    stamp: Callable[[str], None] | None = getattr(projector, "stamp", None)
     try:
         async with contextlib.aclosing(_batches(state, rid, after)) as batches:
             async for batch in batches:
@@ -189,9 +192,6 @@ async def _frames(
                 if rec is not None and rec.ttft_ms is None:
                     rec.ttft_ms = round((time.perf_counter() - began) * 1000, 1)
                 for entry_id, event in batch:
-                    # A projector that reports when things happened (Responses' completed_at)
-                    # reads it off the log's entry ids, the same for every reader.
-                    stamp = getattr(projector, "stamp", None)
                     if stamp is not None:
                         stamp(entry_id)
                     frames = projector.feed(event)
