@@ -27,117 +27,25 @@ tok/s seen by it vs the engine alone (same dtype, measured in this run).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-TICK = os.sysconf("SC_CLK_TCK")
+# A sibling file, not a package import: the llama.cpp child runs this script with another
+# venv's python, where only the script's own folder is on sys.path.
+from machine_load import attempts, decode_rate, emit, is_clean, load_probe
+
 TEXT = (
     "Describe in detail how a small river town changes over one year, covering the weather, "
     "the people who work on the water, the markets, the festivals, the schools and the old "
     "bridge that everyone crosses each morning. "
 )
-
-
-def emit(row: dict[str, Any]) -> None:
-    """Print one measurement as a JSON line."""
-    print(json.dumps(row), flush=True)
-
-
-# --- machine load ---------------------------------------------------------------------------
-
-
-def _busy_s() -> float:
-    """CPU seconds all processes spent running (user, nice, system, irq, softirq)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:8]]
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return (user + nice + system + irq + softirq) / TICK
-
-
-def _pid_stat(pid: int | str) -> tuple[float, int]:
-    """(CPU seconds of one process, all threads; its nice value); (0, 0) when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name may hold spaces: fields after its closing parenthesis.
-            rest = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0, 0
-    return (int(rest[11]) + int(rest[12])) / TICK, int(rest[16])
-
-
-def _niced_cpu_s(exclude: set[int]) -> dict[int, float]:
-    """CPU seconds of every live niced (nice > 0) process outside ``exclude``, by pid."""
-    out: dict[int, float] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) not in exclude:
-            cpu, nice = _pid_stat(name)
-            if nice > 0:
-                out[int(name)] = cpu
-    return out
-
-
-@contextmanager
-def load_probe(pids: list[int], out: dict[str, Any]) -> Iterator[None]:
-    """Record into ``out`` the load average and other processes' CPU cores around a block.
-
-    ``pids`` are our processes (this one is always included): their CPU is subtracted from the
-    machine's busy time, what remains is the neighbours' (``others_cores``). ``niced_cores`` is
-    the part of it taken by niced processes alive at both ends, for information only: a nice-19
-    CI build still slowed llama.cpp's spinning thread pool 3x, so niced CPU counts as load.
-    """
-    ours = [os.getpid(), *pids]
-    load0, busy0, wall0 = os.getloadavg()[0], _busy_s(), time.perf_counter()
-    own0 = sum(_pid_stat(p)[0] for p in ours)
-    niced0 = _niced_cpu_s(set(ours))
-    yield
-    wall = time.perf_counter() - wall0
-    own = sum(_pid_stat(p)[0] for p in ours) - own0
-    niced1 = _niced_cpu_s(set(ours))
-    niced = sum(niced1[p] - niced0[p] for p in niced1.keys() & niced0.keys())
-    out["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-    out["own_cores"] = round(own / wall, 2)
-    out["others_cores"] = round(max(0.0, _busy_s() - busy0 - own) / wall, 2)
-    out["niced_cores"] = round(niced / wall, 2)
-
-
-def decode_rate(runs: list[list[tuple[float, int]]]) -> tuple[float, int, float]:
-    """Aggregate decode rate of concurrent streams from per-stream (time, tokens) records.
-
-    Returns (tok/s, tokens counted, span): tokens produced strictly after the last stream's
-    first token, over the time from then to the last token of any stream.
-    """
-    t0 = max(r[0][0] for r in runs)
-    t1 = max(r[-1][0] for r in runs)
-    n = sum(k for r in runs for t, k in r if t > t0)
-    return n / (t1 - t0), n, t1 - t0
-
-
-def is_clean(row: dict[str, Any], max_others: float) -> bool:
-    """Whether other processes (niced ones included) used at most ``max_others`` cores."""
-    return float(row["others_cores"]) <= max_others
-
-
-def attempts(repeats: int, max_others: float, done: list[dict[str, Any]]) -> Iterator[int]:
-    """Repeat indices until ``done`` holds ``repeats`` clean rows, at most ``2 * repeats``.
-
-    The caller appends each measured row to ``done``: a repeat spoiled by a neighbour is retried
-    instead of being averaged in.
-    """
-    for rep in range(2 * repeats):
-        if sum(is_clean(r, max_others) for r in done) >= repeats:
-            return
-        yield rep
 
 
 # --- llama.cpp (child process, throwaway venv) ------------------------------------------------
@@ -386,118 +294,6 @@ def run_ours(
     return rows
 
 
-# --- the whole stack --------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(check: Callable[[], bool], seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception:  # not up yet: connection refused, 503, ...
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{what} did not come up in {seconds:.0f} s")
-
-
-def run_stack(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
-    """Private redis-server + ``sluice api`` + ``sluice worker``; one streaming chat client."""
-    import httpx
-
-    rport, aport = _free_port(), _free_port()
-    env = {
-        **os.environ,
-        "SLUICE_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
-        "SLUICE_PORT": str(aport),
-        "SLUICE_HOST": "127.0.0.1",
-        "SLUICE_THREADS": str(threads),
-        "SLUICE_DTYPE": args.stack_dtype,
-        "SLUICE_MODEL": MODEL[0],
-        "SLUICE_MODEL_NAME": "smollm2",  # the id the client asks for, whatever the file
-    }
-    sluice = str(Path(sys.executable).with_name("sluice"))
-    procs = [
-        subprocess.Popen(
-            ["redis-server", "--port", str(rport), "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-        ),
-    ]
-    rows: list[dict[str, Any]] = []
-    base = f"http://127.0.0.1:{aport}"
-    quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    try:
-        time.sleep(0.5)
-        procs.append(subprocess.Popen([sluice, "worker"], env=env, **quiet))
-        procs.append(subprocess.Popen([sluice, "api"], env=env, **quiet))
-        with httpx.Client(timeout=60) as client:
-            _wait(lambda: "smollm2" in client.get(f"{base}/v1/models").text, 120, "sluice worker")
-            body = {
-                "model": "smollm2",
-                # The same text as the engine's prompt 0: the API renders the same ids.
-                "messages": [{"role": "user", "content": prompt_text(0)}],
-                "max_tokens": args.tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            done: list[dict[str, Any]] = []
-            # -1: a warm-up; chain keeps attempts() lazy so it sees each appended row.
-            for rep in itertools.chain([-1], attempts(args.repeats, args.max_others, done)):
-                row: dict[str, Any] = {
-                    "engine": "stack",
-                    "dtype": args.stack_dtype,
-                    "threads": threads,
-                    "metric": "decode",
-                    "batch": 1,
-                    "repeat": rep,
-                }
-                times: list[float] = []
-                usage: dict[str, Any] = {}
-                url = f"{base}/v1/chat/completions"
-                with (
-                    load_probe([p.pid for p in procs], row),
-                    client.stream("POST", url, json=body) as r,
-                ):
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk.get("usage"):
-                            usage = chunk["usage"]
-                        for c in chunk.get("choices", []):
-                            if c.get("delta", {}).get("content"):
-                                times.append(time.perf_counter())
-                n = int(usage.get("completion_tokens", 0))
-                row.update(
-                    value=(n - 1) / (times[-1] - times[0]),
-                    completion_tokens=n,
-                    prompt_tokens=usage.get("prompt_tokens"),
-                    content_chunks=len(times),
-                )
-                if rep >= 0:
-                    emit(row)
-                    done.append(row)
-            rows.extend(done)
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    return rows
-
-
 # --- summary ----------------------------------------------------------------------------------
 
 
@@ -583,10 +379,12 @@ def main() -> None:
     for d in args.dtypes:
         rows += run_ours(args, d, args.threads, prompts, args.batches)
     args.prefill = False
+    from stack_run import run_stack  # httpx and the project: the parent process only
+
     for t in args.stack_threads:
         if t != args.threads:
             rows += run_ours(args, args.stack_dtype, t, prompts, [1])
-        rows += run_stack(args, t)
+        rows += run_stack(args, t, prompt_text(0))
     summarize(args, rows)
 
 
