@@ -21,7 +21,7 @@ from services.api.wire.constraints import (
     chat_constraint,
     check_tool_schemas,
 )
-from services.api.wire.openai_chat.tools import parse_tool_choice, parse_tools
+from services.api.wire.openai_chat.tools import ChatTool, parse_tool_choice, parse_tools
 from shared.errors import InvalidRequest
 from shared.jobs import (
     Constraint,
@@ -68,19 +68,6 @@ class _Message(msgspec.Struct, forbid_unknown_fields=False):
     reasoning: str | None = None
 
 
-class _FunctionDef(msgspec.Struct, forbid_unknown_fields=False):
-    name: str
-    description: str | None = None
-    parameters: JsonObject | None = None
-    strict: bool | None = None
-
-
-class _Tool(msgspec.Struct, forbid_unknown_fields=False):
-    type: str
-    function: _FunctionDef | None = None
-    custom: JsonObject | None = None
-
-
 class _StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
     include_usage: bool | None = None
 
@@ -113,7 +100,7 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    tools: list[_Tool] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None

@@ -7,19 +7,31 @@ since Chat has no freeform call item that every client parses (the route names t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import msgspec
 
 from services.api.wire.common import JsonObject
 from shared.errors import InvalidRequest
 from shared.jobs import ToolChoice, ToolDef
 
-if TYPE_CHECKING:
-    from services.api.wire.openai_chat.request import _Tool
-
-__all__ = ["parse_tool_choice", "parse_tools"]
+__all__ = ["ChatTool", "parse_tool_choice", "parse_tools"]
 
 
-def parse_tools(raw: list[_Tool] | None) -> tuple[list[ToolDef], list[str]]:
+class _FunctionDef(msgspec.Struct, forbid_unknown_fields=False):
+    name: str
+    description: str | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, forbid_unknown_fields=False):
+    """One entry of the body's ``tools``: a function, or a ``custom`` tool left out."""
+
+    type: str
+    function: _FunctionDef | None = None
+    custom: JsonObject | None = None
+
+
+def parse_tools(raw: list[ChatTool] | None) -> tuple[list[ToolDef], list[str]]:
     """The function tools offered to the model, and the names of the ``custom`` tools left out.
 
     Raises:
