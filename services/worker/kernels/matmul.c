@@ -169,6 +169,7 @@ static inline __m256i bcast4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
+#if SL_VNNI
 static inline __attribute__((always_inline)) void
 q4x8_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wg, const float *dg, const float *mg,
           const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
@@ -179,7 +180,7 @@ q4x8_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wg, const float *d
         /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
         const __m256 d = _mm256_loadu_ps(dg + b * 8);
         const __m256 m = mg ? _mm256_loadu_ps(mg + b * 8) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-        __m256i lo[4], hi[4]; /* unpacked once for the mt rows */
+        __m256i lo[4], hi[4]; /* unpacked once for the mt rows (32 registers: room for all) */
         for (int j = 0; j < 4; j++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
             lo[j] = _mm256_and_si256(raw, low);
@@ -187,27 +188,56 @@ q4x8_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wg, const float *d
         }
         for (int t = 0; t < mt; t++) {
             const int8_t *x = xq + t * K + b * QK;
-#if SL_VNNI /* int32 sums straight from the bytes */
-            __m256i s32 = _mm256_setzero_si256();
+            __m256i s32 = _mm256_setzero_si256(); /* int32 sums straight from the bytes */
             for (int j = 0; j < 4; j++) {
                 s32 = dpbusd256(s32, lo[j], bcast4(x + 4 * j));
                 s32 = dpbusd256(s32, hi[j], bcast4(x + 16 + 4 * j));
             }
             const __m256 dots = _mm256_cvtepi32_ps(s32);
-#else
-            __m256i s16 = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[j], bcast4(x + 4 * j)));
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[j], bcast4(x + 16 + 4 * j)));
-            }
-            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
-#endif
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
             acc[t] = _mm256_fmadd_ps(scale, dots, acc[t]);
             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * nb + b]), acc[t]);
         }
     }
 }
+#else
+/* AVX2 without VNNI has 16 vector registers: the eight unpacked nibble vectors of a block plus
+ * the rows' accumulators do not fit (the compiler spilled a third of the loop to the stack).
+ * So each 32-byte vector is unpacked right before the mt rows use it, into int16 sums per row:
+ * 2 mt + 5 registers live, and the unpacking is still shared by the mt rows. */
+static inline __attribute__((always_inline)) void
+q4x8_tile(const int mt, int64_t nb, int64_t K, const uint8_t *wg, const float *dg, const float *mg,
+          const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = wg + b * Q4X8_BLOCK;
+        const int8_t *x = xq + b * QK;
+        __m256i s16[MT];
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+            const __m256i lo = _mm256_and_si256(raw, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int t = 0; t < mt; t++) {
+                const __m256i p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x + t * K + 4 * j)),
+                                     _mm256_maddubs_epi16(hi, bcast4(x + t * K + 16 + 4 * j)));
+                s16[t] = j ? _mm256_add_epi16(s16[t], p) : p;
+                SL_KEEP(s16[t]);
+            }
+        }
+        /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
+        const __m256 d = _mm256_loadu_ps(dg + b * 8);
+        const __m256 m = mg ? _mm256_loadu_ps(mg + b * 8) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        for (int t = 0; t < mt; t++) {
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[t], _mm256_set1_epi16(1)));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
+            acc[t] = _mm256_fmadd_ps(scale, dots, acc[t]);
+            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * nb + b]), acc[t]);
+        }
+    }
+}
+#endif
 #endif
 
 void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,

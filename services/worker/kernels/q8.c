@@ -156,15 +156,10 @@ static inline __m256i bcast4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
+#if SL_VNNI
 /* s + the eight rows' sums of four products |w| * (x with w's sign) */
 static inline __m256i dot4_acc(__m256i s, __m256i wabs, __m256i w, __m256i x4) {
-    const __m256i xs = _mm256_sign_epi8(x4, w);
-#if SL_VNNI
-    return dpbusd256(s, wabs, xs);
-#else
-    return _mm256_add_epi32(
-        s, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1)));
-#endif
+    return dpbusd256(s, wabs, _mm256_sign_epi8(x4, w));
 }
 
 static inline __attribute__((always_inline)) void
@@ -173,7 +168,7 @@ q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *wb = wg + b * Q8X8_BLOCK;
-        __m256i w[8], wabs[8]; /* loaded once for the mt rows */
+        __m256i w[8], wabs[8]; /* loaded once for the mt rows (32 registers: room for all) */
         for (int j = 0; j < 8; j++) {
             w[j] = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
             wabs[j] = _mm256_sign_epi8(w[j], w[j]);
@@ -199,6 +194,58 @@ q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg
         }
     }
 }
+#else
+/* AVX2 without VNNI (16 vector registers): as the 4-bit tile (matmul.c), each 32-byte weight
+ * vector is loaded right before the mt rows use it, into int32 sums per row: 2 mt + 4 registers
+ * live. One half block (values 0..15 or 16..31: vectors 4h..4h+3) at a time, since Q8_16 scales
+ * the halves apart. */
+static inline __attribute__((always_inline)) void
+q8x8_half(const int mt, int64_t K, const int8_t *wb, const int8_t *x, __m256i *s32) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < 4; j++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+        const __m256i wabs = _mm256_sign_epi8(w, w);
+        for (int t = 0; t < mt; t++) {
+            /* int16 pair sums cannot saturate: 2 x 127 x 127 < 32767 */
+            const __m256i xs = _mm256_sign_epi8(bcast4(x + t * K + 4 * j), w);
+            s32[t] =
+                _mm256_add_epi32(s32[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+            SL_KEEP(s32[t]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void
+q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg, const float *dg,
+          const float *mg, const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
+    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *wb = wg + b * Q8X8_BLOCK, *x = xq + b * QK;
+        __m256i s32[MT];
+        for (int t = 0; t < mt; t++) s32[t] = _mm256_setzero_si256();
+        q8x8_half(mt, K, wb, x, s32);
+        if (sub16) { /* the first half's sums, scaled, before the second's */
+            const __m256 d = _mm256_loadu_ps(dg + b * 16);
+            for (int t = 0; t < mt; t++) {
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
+                acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s32[t]), acc[t]);
+                s32[t] = _mm256_setzero_si256();
+            }
+        }
+        q8x8_half(mt, K, wb + 128, x + 16, s32);
+        const __m256 d = _mm256_loadu_ps(dg + b * (sub16 ? 16 : 8) + (sub16 ? 8 : 0));
+        for (int t = 0; t < mt; t++) {
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s32[t]), acc[t]);
+        }
+        if (mg) {
+            const __m256 m = _mm256_loadu_ps(mg + b * 8);
+            for (int t = 0; t < mt; t++)
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * nb + b]), acc[t]);
+        }
+    }
+}
+#endif
 #endif
 
 void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,

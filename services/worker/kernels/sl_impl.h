@@ -74,6 +74,12 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* An empty asm that "modifies" v: the compiler must have v in a register here, as computed so
+ * far. In a tile's inner loop it keeps each accumulator a running sum: otherwise GCC regroups
+ * the integer adds (they are associative) into a tree of partial sums that needs more than
+ * AVX2's 16 vector registers, and spills. */
+#define SL_KEEP(v) __asm__("" : "+x"(v))
+
 /* [hsum(a), hsum(b), hsum(c), hsum(d)] */
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -117,19 +123,19 @@ static inline void store(float *y, float v, const float *bias, int64_t n, int ac
 #define DISPATCH_TILE(fn, mt, ...)                                                                 \
     switch (mt) {                                                                                  \
     case 8:                                                                                        \
-        fn(8, __VA_ARGS__);                                                                        \
+        if (MT >= 8) fn(8, __VA_ARGS__); /* (cases above MT never run: not compiled either) */     \
         break;                                                                                     \
     case 7:                                                                                        \
-        fn(7, __VA_ARGS__);                                                                        \
+        if (MT >= 7) fn(7, __VA_ARGS__);                                                           \
         break;                                                                                     \
     case 6:                                                                                        \
-        fn(6, __VA_ARGS__);                                                                        \
+        if (MT >= 6) fn(6, __VA_ARGS__);                                                           \
         break;                                                                                     \
     case 5:                                                                                        \
-        fn(5, __VA_ARGS__);                                                                        \
+        if (MT >= 5) fn(5, __VA_ARGS__);                                                           \
         break;                                                                                     \
     case 4:                                                                                        \
-        fn(4, __VA_ARGS__);                                                                        \
+        if (MT >= 4) fn(4, __VA_ARGS__);                                                           \
         break;                                                                                     \
     case 3:                                                                                        \
         fn(3, __VA_ARGS__);                                                                        \

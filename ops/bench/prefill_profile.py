@@ -1,0 +1,158 @@
+"""Where a prefill's time goes on the CPU kernels: per stage, per GGUF file, per kernel build.
+
+Runs the same stages as ``QuantizedLlama.prefill`` (B = 1, ``--tokens`` tokens) with a clock
+around each: the quantizing stages (RMSNorm + quantize, quantize, SwiGLU + quantize), each GEMM
+(QKV, O, gate|up, down, the head on the last row) and attention (whatever the dense model's
+``Attention.attend`` does). Sums over the layers, medians over ``--repeats``; JSON lines out,
+with GFLOP/s per GEMM. ``--baseline DIR`` also builds the kernel sources in DIR (e.g. another
+checkout's ``services/worker/kernels``; same ABI) and times them on the same packed weights,
+alternating with this checkout's build inside each repeat, so the before/after ratio is
+measured in one run.
+
+    .venv/bin/python ops/bench/prefill_profile.py /tmp/q4_0.gguf /tmp/q8_0.gguf \
+        --baseline /work/main/services/worker/kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from services.worker import kernels
+from services.worker.kernels import FLAGS, Activations, Kernels
+from services.worker.kv_cache import KVCache, build_batch
+from services.worker.loaders import load_model
+from services.worker.models.kernel_llama import QuantizedLlama
+
+CPU = torch.device("cpu")
+
+
+def build_from(directory: Path) -> Kernels:
+    """The kernels compiled from the C files in ``directory`` with this checkout's flags."""
+    out = Path(tempfile.mkdtemp()) / "baseline.so"
+    cc = os.environ.get("CC") or shutil.which("cc") or "gcc"
+    sources = sorted(str(p) for p in directory.glob("*.c"))
+    subprocess.run([cc, *FLAGS, "-o", str(out), *sources, "-lm"], check=True)
+    return Kernels(out)
+
+
+def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
+    """Seconds per stage (summed over layers) of one prefill of ``tokens`` random ids."""
+    cfg = model.config
+    ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(
+        layers=cfg.num_layers,
+        slots=1,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_len=cfg.context_length,
+        dtype=torch.float32,
+        device=CPU,
+        initial=512,
+    )
+    cache.reserve(tokens + 8)
+    batch = build_batch([0], [0], tokens, CPU)
+    spent: dict[str, float] = defaultdict(float)
+    clock = [time.perf_counter()]
+
+    def tick(stage: str) -> None:
+        now = time.perf_counter()
+        spent[stage] += now - clock[0]
+        clock[0] = now
+
+    rows, eps = tokens, cfg.rms_norm_eps
+    began = time.perf_counter()
+    x = model.embed(ids.reshape(rows))
+    act = Activations(rows, model.act_width)
+    qkv = torch.empty(rows, model.blocks[0].qkv.out_features)
+    gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
+    cos, sin = model.model.rope_at(batch.positions, torch.float32)
+    tick("embed")
+    for blk, attention in zip(model.blocks, model.attention, strict=True):
+        k.rmsnorm_quantize(x, blk.input_norm, eps, act)
+        tick("quantize")
+        blk.qkv(k, act, qkv)
+        tick("gemm_qkv")
+        y = attention.attend(qkv.view(1, rows, -1), cos, sin, batch, cache)
+        tick("attention")
+        k.quantize(y.reshape(rows, -1).contiguous(), act)
+        tick("quantize")
+        blk.o_proj(k, act, x, accumulate=True)
+        tick("gemm_o")
+        k.rmsnorm_quantize(x, blk.post_norm, eps, act)
+        tick("quantize")
+        blk.gate_up(k, act, gate_up)
+        tick("gemm_gate_up")
+        k.swiglu_quantize(gate_up, act)
+        tick("quantize")
+        blk.down(k, act, x, accumulate=True)
+        tick("gemm_down")
+    head_in = Activations(1, cfg.hidden_size)
+    k.rmsnorm_quantize(x[-1:].contiguous(), model.final_norm, eps, head_in)
+    logits = torch.empty(1, model.head.out_features)
+    model.head(k, head_in, logits)
+    tick("head")
+    spent["total"] = time.perf_counter() - began
+    return dict(spent)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--tokens", type=int, default=190)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--baseline", type=Path, help="kernel sources to compare against")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    native = kernels.load()
+    assert native is not None, "the kernels do not build here"
+    builds = {"this": native}
+    if args.baseline:
+        builds["baseline"] = build_from(args.baseline)
+    models = {}
+    for f in args.files:
+        m = load_model(str(f), device="cpu").model
+        assert isinstance(m, QuantizedLlama), f"{f} does not run on the kernels"
+        models[f.name] = m
+    runs: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
+    with torch.inference_mode():
+        for m in models.values():  # warm-up: page in weights, start the thread pool
+            profile(m, native, args.tokens)
+        for _ in range(args.repeats):
+            for name, m in models.items():
+                for tag, k in builds.items():
+                    runs[name, tag].append(profile(m, k, args.tokens))
+    cfg = next(iter(models.values())).config
+    c, i = cfg.hidden_size, cfg.intermediate_size
+    qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    macs = {"gemm_qkv": qkv_n * c, "gemm_o": cfg.num_heads * cfg.head_dim * c}
+    macs |= {"gemm_gate_up": 2 * i * c, "gemm_down": i * c}
+    print(json.dumps({"load1": os.getloadavg()[0], "isa": native.isa, "threads": args.threads}))
+    for (name, tag), rs in runs.items():
+        med = {s: statistics.median(r[s] for r in rs) for s in rs[0]}
+        row: dict[str, object] = {"file": name, "build": tag}
+        row["prefill_tok_s"] = round(args.tokens / med["total"], 1)
+        row["ms"] = {s: round(1e3 * v, 1) for s, v in med.items()}
+        row["share"] = {s: round(v / med["total"], 3) for s, v in med.items() if s != "total"}
+        flops = {s: 2 * n * args.tokens * cfg.num_layers / med[s] / 1e9 for s, n in macs.items()}
+        row["gemm_gflop_s"] = {s: round(v, 1) for s, v in flops.items()}
+        if tag != "this":
+            row["this_vs_baseline"] = round(med["total"] / statistics.median(
+                r["total"] for r in runs[name, "this"]), 3)  # fmt: skip
+        print(json.dumps(row))
+    print(json.dumps({"load1_after": os.getloadavg()[0]}))
+
+
+if __name__ == "__main__":
+    main()
