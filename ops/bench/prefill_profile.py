@@ -3,7 +3,8 @@
 Runs the same stages as ``QuantizedLlama.prefill`` (B = 1, ``--tokens`` tokens) with a clock
 around each: the quantizing stages (RMSNorm + quantize, quantize, SwiGLU + quantize), each GEMM
 (QKV, O, gate|up, down, the head on the last row) and attention (whatever the dense model's
-``Attention.attend`` does). Sums over the layers, medians over ``--repeats``; JSON lines out,
+``Attention.attend`` does). ``--clock thread --threads 1`` times CPU time instead of wall time,
+which a busy neighbour disturbs less. Sums over the layers, medians over ``--repeats``; JSON lines out,
 with GFLOP/s per GEMM. ``--baseline DIR`` also builds the kernel sources in DIR (e.g. another
 checkout's ``services/worker/kernels``; same ABI) and times them on the same packed weights,
 alternating with this checkout's build inside each repeat, so the before/after ratio is
@@ -46,6 +47,9 @@ def build_from(directory: Path) -> Kernels:
     return Kernels(out)
 
 
+CLOCK = [time.perf_counter]  # --clock thread: this thread's CPU time (1 thread on a busy host)
+
+
 def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
     """Seconds per stage (summed over layers) of one prefill of ``tokens`` random ids."""
     cfg = model.config
@@ -63,15 +67,15 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
     cache.reserve(tokens + 8)
     batch = build_batch([0], [0], tokens, CPU)
     spent: dict[str, float] = defaultdict(float)
-    clock = [time.perf_counter()]
+    clock = [CLOCK[0]()]
 
     def tick(stage: str) -> None:
-        now = time.perf_counter()
+        now = CLOCK[0]()
         spent[stage] += now - clock[0]
         clock[0] = now
 
     rows, eps = tokens, cfg.rms_norm_eps
-    began = time.perf_counter()
+    began = CLOCK[0]()
     x = model.embed(ids.reshape(rows))
     act = Activations(rows, model.act_width)
     qkv = torch.empty(rows, model.blocks[0].qkv.out_features)
@@ -102,7 +106,7 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
     logits = torch.empty(1, model.head.out_features)
     model.head(k, head_in, logits)
     tick("head")
-    spent["total"] = time.perf_counter() - began
+    spent["total"] = CLOCK[0]() - began
     return dict(spent)
 
 
@@ -113,7 +117,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline", type=Path, help="kernel sources to compare against")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="thread: CPU time of this thread, meaningful with --threads 1 on a shared machine",
+    )
     args = p.parse_args()
+    if args.clock == "thread":
+        assert args.threads == 1, "--clock thread counts this thread only: use --threads 1"
+        CLOCK[0] = time.thread_time
     torch.set_num_threads(args.threads)
     native = kernels.load()
     assert native is not None, "the kernels do not build here"
