@@ -12,8 +12,9 @@
  *   Q4_1 weight  eight rows interleaved (N % 8 == 0): wq uint8 [N/8, nb, 128], wd and wm float
  *                [N/8, nb, 8] (scale, minimum): w = wd * q + wm; see gemm_q4_1_body
  *   Q4_0 weight  as Q4_1 without the minimums: w = wd * (q - 8)
- *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q (also Q5_0, as q - 16)
- *   Q8_M weight  Q8_0 plus wm float [N, nb]: w = wd * q + wm (Q5_1, Q5_K: q in 0..31)
+ *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q
+ *   Q8_M weight  Q8_0 plus wm float [N, nb]: w = wd * q + wm, q in 0..31 only (the AVX2 GEMM
+ *                multiplies the bytes as unsigned): Q5_0 (wm = -16 wd), Q5_1, Q5_K
  *   Q8_16 weight wq int8 [N, nb, 32], wd float [N, 2 nb]: one scale per 16 values (Q6_K)
  *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] floats
  *
@@ -42,7 +43,7 @@ enum {
     SL_Q4_0 = 2,
     SL_Q4_1 = 3,
     SL_Q8_0 = 8,
-    SL_Q8_M = 64,  /* int8 values, a scale and a minimum per 32: Q5_1, Q5_K */
+    SL_Q8_M = 64,  /* values 0..31, a scale and a minimum per 32: Q5_0, Q5_1, Q5_K */
     SL_Q8_16 = 65, /* int8 values, a scale per 16: Q6_K */
     SL_X8 = 256,   /* flag on the Q8 formats: eight rows interleaved (N % 8 == 0; see q8.c) */
 };

@@ -177,9 +177,10 @@ def _decode(b: QuantBlocks) -> Decoded:
         at = 2 if b.qtype == Q5_0 else 4
         qs = raw[..., at + 4 :]
         q = torch.cat([qs & 0x0F, qs >> 4], -1) | (_bits(raw[..., at : at + 4]) << 4)
-        if b.qtype == Q5_0:  # w = d (q - 16): Q8_0
-            return Q8_0, q.to(torch.int16) - 16, _f16(raw, 0), None
-        return Q8_M, q, _f16(raw, 0), _f16(raw, 2)
+        d = _f16(raw, 0)
+        # Q5_0: w = d (q - 16) = d q + (-16 d), exact in fp32 (an f16 times a power of two). As
+        # Q8_M the values stay unsigned (0..31), which the AVX2 kernel multiplies directly.
+        return Q8_M, q, d, -16.0 * d if b.qtype == Q5_0 else _f16(raw, 2)
     raw = b.data.view(n, ns, BLOCK_BYTES[b.qtype])
     if b.qtype == Q6_K:  # [ql: 128][qh: 64][scales: 16 int8][d]
         ql, qh = raw[..., :128].view(n, ns, 2, 2, 32), raw[..., 128:192].view(n, ns, 2, 1, 32)
@@ -212,7 +213,7 @@ def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     Q8_0: int8 (N, K) and scales (N, K/32). Q4_0 / Q4_1: eight rows interleaved (N % 8 == 0),
     the GGUF nibble bytes re-ordered (``_interleave``). Q4_K: each 32-value sub-block is
     ``(d sc) q - (dmin m)`` with q in 0..15, so it becomes a Q4_1 block with fp32 scale and
-    minimum: the Q4_1 kernel then computes what ggml does. Q5_0 (as ``q - 16``) is Q8_0; Q5_1
+    minimum: the Q4_1 kernel then computes what ggml does. Q5_0 (minimum ``-16 d``), Q5_1
     and Q5_K (q in 0..31) are Q8_M; Q6_K (``q - 32`` with a scale per 16) is Q8_16.
     """
     n, k = b.shape

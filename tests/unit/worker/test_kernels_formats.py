@@ -96,7 +96,7 @@ def _random_blocks(qtype: Q, n: int, kk: int, seed: int) -> QuantBlocks:
 
 @pytest.mark.parametrize(
     ("qtype", "fmt"),
-    [(Q.Q5_0, Q.Q8_0), (Q.Q5_1, Q8_M), (Q.Q4_K, Q.Q4_1), (Q.Q5_K, Q8_M), (Q.Q6_K, Q8_16)],
+    [(Q.Q5_0, Q8_M), (Q.Q5_1, Q8_M), (Q.Q4_K, Q.Q4_1), (Q.Q5_K, Q8_M), (Q.Q6_K, Q8_16)],
 )
 def test_5_and_6_bit_and_k_quant_blocks_pack_exactly(qtype: Q, fmt: int) -> None:
     b = _random_blocks(qtype, 16, 512, seed=int(qtype))
@@ -182,7 +182,7 @@ def test_gemm_on_grid_equals_float_math(k: Kernels, qtype: Q, m: int) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 3, 5])
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_1, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K])
 def test_int8_formats_row_by_row_and_interleaved(k: Kernels, qtype: Q, m: int) -> None:
     """Eight rows interleaved when N % 8 == 0, else row by row: the same products."""
     for n in (36, 48):

@@ -52,7 +52,7 @@ def _logits(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Ten
 
 
 # the kernel format each type written by gguf-py is packed into
-KERNEL_FORMAT = {Q.Q4_0: Q.Q4_0, Q.Q4_1: Q.Q4_1, Q.Q8_0: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q8_M}
+KERNEL_FORMAT = {Q.Q4_0: Q.Q4_0, Q.Q4_1: Q.Q4_1, Q.Q8_0: Q.Q8_0, Q.Q5_0: Q8_M, Q.Q5_1: Q8_M}
 
 
 @pytest.mark.parametrize("qtype", list(KERNEL_FORMAT))
