@@ -3,12 +3,12 @@
 Runs the same stages as ``QuantizedLlama.prefill`` (B = 1, ``--tokens`` tokens) with a clock
 around each: the quantizing stages (RMSNorm + quantize, quantize, SwiGLU + quantize), each GEMM
 (QKV, O, gate|up, down, the head on the last row) and attention (whatever the dense model's
-``Attention.attend`` does). ``--clock thread --threads 1`` times CPU time instead of wall time,
-which a busy neighbour disturbs less. Sums over the layers, medians over ``--repeats``; JSON lines out,
-with GFLOP/s per GEMM. ``--baseline DIR`` also builds the kernel sources in DIR (e.g. another
-checkout's ``services/worker/kernels``; same ABI) and times them on the same packed weights,
-alternating with this checkout's build inside each repeat, so the before/after ratio is
-measured in one run.
+``Attention.attend`` does). ``--clock thread --threads 1`` times CPU time instead of wall
+time, which a busy neighbour disturbs less. Sums over the layers, medians over ``--repeats``;
+JSON lines out, with GFLOP/s per GEMM. ``--baseline DIR`` also builds the kernel sources in
+DIR (e.g. another checkout's ``services/worker/kernels``; same ABI) and times them on the same
+packed weights, alternating with this checkout's build inside each repeat, so the before/after
+ratio is measured in one run.
 
     .venv/bin/python ops/bench/prefill_profile.py /tmp/q4_0.gguf /tmp/q8_0.gguf \
         --baseline /work/main/services/worker/kernels
