@@ -38,6 +38,7 @@ __all__ = [
     "FOUR_BIT_TYPES",
     "INTERLEAVED",
     "KERNEL_TYPES",
+    "MIXED",
     "X8",
     "FileWeights",
     "QuantBlocks",
@@ -56,6 +57,7 @@ QK = 32
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 Q8_M, Q8_16 = 64, 65  # sluice's int8 layouts (sluice_cpu.h SL_Q8_M, SL_Q8_16)
 X8 = 256  # flag on an int8 format: eight rows interleaved (SL_X8)
+MIXED = -1  # QuantBlocks.qtype of a fused weight whose parts differ in type (see cat)
 QK_K = 256  # values per K-quant super-block
 # A kernel reads these blocks exactly: as they are, or re-laid out (pack_blocks).
 KERNEL_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K})
@@ -87,16 +89,19 @@ class QuantBlocks:
     qtype: int
     data: torch.Tensor
     shape: tuple[int, int]
+    parts: list[QuantBlocks] = field(default_factory=list)  # MIXED: the parts, by rows
 
     @staticmethod
     def cat(parts: list[QuantBlocks]) -> QuantBlocks | None:
-        """The parts stacked by rows (a fused linear), or None when their types differ."""
-        if len({p.qtype for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+        """The parts stacked by rows (a fused linear). Parts of different types: a MIXED weight
+        when one int8 kernel format holds every part exactly (``_common_format``), else None."""
+        if len({p.shape[1] for p in parts}) != 1:
             return None
-        rows = sum(p.shape[0] for p in parts)
-        return QuantBlocks(
-            parts[0].qtype, torch.cat([p.data for p in parts]), (rows, parts[0].shape[1])
-        )
+        rows, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        if len({p.qtype for p in parts}) != 1:
+            ok = _common_format({p.qtype for p in parts}) is not None
+            return QuantBlocks(MIXED, torch.empty(0), (rows, k), parts) if ok else None
+        return QuantBlocks(parts[0].qtype, torch.cat([p.data for p in parts]), (rows, k))
 
 
 def finite(b: QuantBlocks) -> bool:
@@ -214,9 +219,12 @@ def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     the GGUF nibble bytes re-ordered (``_interleave``). Q4_K: each 32-value sub-block is
     ``(d sc) q - (dmin m)`` with q in 0..15, so it becomes a Q4_1 block with fp32 scale and
     minimum: the Q4_1 kernel then computes what ggml does. Q5_0 (minimum ``-16 d``), Q5_1
-    and Q5_K (q in 0..31) are Q8_M; Q6_K (``q - 32`` with a scale per 16) is Q8_16.
+    and Q5_K (q in 0..31) are Q8_M; Q6_K (``q - 32`` with a scale per 16) is Q8_16. MIXED: see
+    ``_common_format``.
     """
     n, k = b.shape
+    if b.qtype == MIXED:
+        return _pack_mixed(b.parts)
     if b.qtype in (Q4_0, Q4_1, Q8_0):
         raw = b.data.view(n, k // QK, BLOCK_BYTES[b.qtype])
         if b.qtype == Q8_0:
@@ -232,6 +240,62 @@ def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.
         return Q4_1, _interleave(nibbles), _by_group(scale), _by_group(low)
     values = q.to(torch.int8).reshape(n, k)
     return fmt, values, scale.contiguous(), None if low is None else low.contiguous()
+
+
+# Fused parts of different types (a Q4_K_M file's Q5_0 q and k beside a Q8_0 v, say) in one
+# format that holds each exactly: values 0..31 with a minimum (Q8_M) for the unsigned types, or
+# signed int8 (Q8_0; Q8_16 beside Q6_K) for those without a minimum. Q4_0 and Q5_0 fit both.
+_UNSIGNED = {Q4_0: 8, Q4_1: 0, Q4_K: 0, Q5_0: 16, Q5_1: 0, Q5_K: 0}  # offset: w = d (q - off)
+_SIGNED = {Q4_0: 8, Q5_0: 16, Q8_0: 0, Q6_K: 0}
+
+
+def _common_format(types: set[int]) -> int | None:
+    if types <= _UNSIGNED.keys():
+        return Q8_M
+    if types <= _SIGNED.keys():
+        return Q8_16 if Q6_K in types else Q8_0
+    return None
+
+
+def _values(b: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any kernel type -> its integers q (N, K / 32, 32), unsigned for the ``_UNSIGNED`` types,
+    and scales per 32 (per 16 for Q6_K): w = scale (q - offset), or scale q + minimum."""
+    n, k = b.shape
+    if b.qtype in (Q4_0, Q4_1, Q8_0):
+        raw = b.data.view(n, k // QK, BLOCK_BYTES[b.qtype])
+        if b.qtype == Q8_0:
+            return raw[..., 2:].contiguous().view(torch.int8).to(torch.int16), _f16(raw, 0)
+        qs = raw[..., 2 if b.qtype == Q4_0 else 4 :]
+        return torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int16), _f16(raw, 0)
+    _, q, scale, _ = _decode(b)
+    return q.to(torch.int16), scale
+
+
+def _pack_mixed(
+    parts: list[QuantBlocks],
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    fmt = _common_format({p.qtype for p in parts})
+    qs, scales, lows = [], [], []
+    for p in parts:
+        q, scale = _values(p)
+        if fmt == Q8_M:
+            if p.qtype in (Q4_0, Q5_0):  # w = d (q - offset): the minimum is -offset d
+                lows.append(scale * -_UNSIGNED[p.qtype])
+            elif p.qtype == Q4_1:
+                lows.append(_f16(p.data.view(*scale.shape, -1), 2))
+            else:  # Q4_K, Q5_1, Q5_K
+                low = _decode(p)[3]
+                assert low is not None
+                lows.append(low)
+        else:
+            q = q - _SIGNED[p.qtype]
+            if fmt == Q8_16 and p.qtype != Q6_K:  # the block's scale for both halves
+                scale = scale.repeat_interleave(2, dim=1)
+        qs.append(q.to(torch.int8).reshape(p.shape))
+        scales.append(scale)
+    m = torch.cat(lows).contiguous() if lows else None
+    assert fmt is not None  # cat() made a MIXED weight only for types with a common format
+    return fmt, torch.cat(qs), torch.cat(scales).contiguous(), m
 
 
 def interleave_q8(
@@ -296,6 +360,8 @@ def pack_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_blocks(b: QuantBlocks) -> torch.Tensor:
     """The (N, K) fp32 weights the blocks encode (the reference the packing tests compare to)."""
     n, k = b.shape
+    if b.qtype == MIXED:
+        return torch.cat([dequantize_blocks(p) for p in b.parts])
     if b.qtype not in (Q4_0, Q4_1, Q8_0):
         fmt, q, scale, low = _decode(b)
         if fmt == Q8_16:  # a scale per 16 values

@@ -13,8 +13,9 @@ beats oneDNN's fp32 GEMM by ~1.5x at prefill sizes on AVX2) and the dense model'
 Where each linear comes from (``Packer``): a GGUF file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K and Q6_K blocks are packed exactly (``models.blocks``: the 4-bit ones into the interleaved
 Q4 layouts, the 5-, 6- and 8-bit ones into int8 layouts), and the token embeddings are looked up
-from the file's blocks. Any other type (F16, Q3_K, IQ*) and a fused linear whose parts differ in
-type are re-quantized from dense weights: as Q4_1 when every part was 4-bit, as Q8_0 (near
+from the file's blocks; a fused linear whose parts differ in type is packed exactly into one int8
+layout where one holds them all (``QuantBlocks.cat``). Any other type (F16, Q3_K, IQ*) and other
+mixes are re-quantized from dense weights: as Q4_1 when every part was 4-bit, as Q8_0 (near
 lossless) otherwise. Without a file (``dtype=int4``, an fp32 model) the blocks are Q4_1 and the
 head Q8_0. The path each tensor type took is logged once per load.
 """

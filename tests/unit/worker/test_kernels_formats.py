@@ -80,6 +80,7 @@ def test_packed_blocks_hold_what_gguf_dequantizes(qtype: Q) -> None:
 # where each type keeps its f16 halves, and how many values a block holds
 HALVES = {Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+ALL_HALVES = {**HALVES, Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0]}
 
 
 def _random_blocks(qtype: Q, n: int, kk: int, seed: int) -> QuantBlocks:
@@ -88,7 +89,7 @@ def _random_blocks(qtype: Q, n: int, kk: int, seed: int) -> QuantBlocks:
     per = 256 if qtype in K_TYPES else QK
     raw = torch.randint(0, 256, (n, kk // per, BLOCK_BYTES[int(qtype)]), generator=g)
     raw = raw.to(torch.uint8)
-    for at in HALVES[qtype]:
+    for at in ALL_HALVES[qtype]:
         half = (torch.rand(n, kk // per, 1, generator=g) * 0.004 + 0.0005).half()
         raw[..., at : at + 2] = half.view(torch.uint8)
     return QuantBlocks(int(qtype), raw.view(n, -1), (n, kk))
@@ -104,6 +105,34 @@ def test_5_and_6_bit_and_k_quant_blocks_pack_exactly(qtype: Q, fmt: int) -> None
     assert np.array_equal(dequantize_blocks(b).numpy(), want)
     assert pack_blocks(b)[0] == int(fmt)
     assert np.array_equal(_unpacked(b).numpy(), want)
+
+
+@pytest.mark.parametrize(
+    ("types", "fmt"),
+    [
+        ((Q.Q4_0, Q.Q5_0, Q.Q4_K), Q8_M),  # unsigned values with minimums
+        ((Q.Q5_1, Q.Q4_1, Q.Q5_K), Q8_M),
+        ((Q.Q5_0, Q.Q5_0, Q.Q8_0), Q.Q8_0),  # signed, no minimums
+        ((Q.Q8_0, Q.Q6_K, Q.Q4_0), Q8_16),
+        ((Q.Q4_1, Q.Q8_0), None),  # a minimum beside signed values: no common format
+    ],
+)
+def test_fused_parts_of_different_types_pack_exactly(types: tuple[Q, ...], fmt: int | None) -> None:
+    parts = [_random_blocks(t, 8 * (i + 1), 512, seed=i) for i, t in enumerate(types)]
+    fused = QuantBlocks.cat(parts)
+    if fmt is None:
+        assert fused is None
+        return
+    assert fused is not None and fused.shape == (sum(p.shape[0] for p in parts), 512)
+    want = np.concatenate(
+        [
+            gguf.quants.dequantize(p.data.numpy(), t).reshape(p.shape)
+            for p, t in zip(parts, types, strict=True)
+        ]
+    )
+    assert pack_blocks(fused)[0] == int(fmt)
+    assert np.array_equal(_unpacked(fused).numpy(), want)
+    assert np.array_equal(dequantize_blocks(fused).numpy(), want)
 
 
 def test_the_test_q4_k_writer_is_what_gguf_reads() -> None:

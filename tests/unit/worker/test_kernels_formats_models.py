@@ -106,12 +106,12 @@ def test_types_without_a_kernel_still_load_and_the_paths_are_logged(
         layers[1].mlp.down_proj.weight.numel() == 0 and not layers[1].mlp.down_proj.weight.is_meta
     )
     blocks = auto.model.blocks
-    assert blocks[0].qkv.fmt == "q8_0"  # Q4_0 q and k with a Q5_0 v: re-quantized as Q8_0
+    assert blocks[0].qkv.fmt == "q8_m"  # Q4_0 q and k with a Q5_0 v: all exact as Q8_M
     assert blocks[1].qkv.fmt == "q4_0" and blocks[1].down.fmt == "q8_0"
     logged = [r.getMessage() for r in caplog.records if "weights by type" in r.getMessage()]
     assert len(logged) == 1
     assert "Q4_0 x" in logged[0] and "Q4_0 kernel on the file's blocks" in logged[0]
-    assert "Q5_0 x1: dequantized, re-quantized as Q8_0" in logged[0]
+    assert "Q5_0 x1: Q8_M kernel on the file's blocks" in logged[0]
     assert "F16 x1: dequantized, re-quantized as Q8_0" in logged[0]
 
 
