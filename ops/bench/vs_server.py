@@ -5,8 +5,9 @@ launcher gives the worker one thread on 2 cores). llama.cpp: ``llama-server -m F
 -fa off`` (16 slots, 2 threads, flash attention off). The servers run back to back on the same
 cores, llama-server first, each under the same load: one load generator (this process) with C
 concurrent clients (``--concurrency``, default 1 4 16), each sending ``--rounds`` streaming
-``/v1/chat/completions`` requests in a row: ~190-token prompts that differ from their first
-words on (no prefix is shared beyond the chat template's), greedy, EOS ignored, 128 tokens out.
+``/v1/chat/completions`` requests in a row (default 4 at C=1, else 2): ~190-token prompts that
+differ from their first words on (no prefix shared beyond the chat template's), greedy, EOS
+ignored, 128 tokens out. ``--threads`` sets llama-server's ``-t`` (default 2).
 
 Per server and C: output tok/s (completion tokens of all requests over the span from the first
 send to the last byte), TTFT p50 (send to first content chunk, client side), and at C=1 the
@@ -211,7 +212,8 @@ def measure(
         before = httpx.get(metrics_url).text if metrics_url else ""
         row: dict[str, Any] = {"server": name, "file": Path(args.current).name}
         with load_probe(pids, row):
-            row |= asyncio.run(level(base, model, c, args.rounds, args.tokens, 1000 * (i + 1)))
+            rounds = args.rounds or max(2, -(-4 // c))  # C=1: 4 requests, else 2 rounds
+            row |= asyncio.run(level(base, model, c, rounds, args.tokens, 1000 * (i + 1)))
         if metrics_url and c == 1:  # our prefill, as the worker measured it
             after = httpx.get(metrics_url).text
             d = {k: metric(after, k) - metric(before, k) for k in (
@@ -332,7 +334,9 @@ def main() -> None:
     p.add_argument("--types", nargs="+", default=["Q4_0", "Q8_0", "Q4_K_M"])
     p.add_argument("--out-dir", default="/tmp")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--rounds", type=int, default=2, help="requests per client")
+    p.add_argument(
+        "--rounds", type=int, default=0, help="requests per client (0: 4 at C=1, else 2)"
+    )
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--only", choices=["sluice", "llama-server"], help="run one server")
