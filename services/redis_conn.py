@@ -45,11 +45,12 @@ def client(url: str, *, worker: bool = False, **options: Any) -> aioredis.Redis:
 
     Args:
         url: the Redis URL.
-        worker: a worker's events client. On a cluster, redis-py would re-send a command whose
-            connection broke (``cluster_error_retry_attempts``); a worker's publish script may
-            have run before the break, and a second run would append the batch twice. So a
-            worker's client does not re-send: the error surfaces, and the request continues
-            from what its log holds (the sweeper's continuation), exactly once.
+        worker: a worker's events client. On a cluster, redis-py re-sends a command whose
+            connection broke (``cluster_error_retry_attempts``, default 3); a worker's publish
+            script may have run before the break, and a re-sent one appends the batch again.
+            A worker's client re-sends once at most (0 breaks redis-py 5's cluster pipelines),
+            so a failover surfaces as an error and the request continues from what its log
+            holds (the sweeper's continuation); docs/architecture.md has the residual window.
         options: further client options (timeouts, client name).
     """
     scheme, _, rest = url.partition("://")
@@ -57,7 +58,7 @@ def client(url: str, *, worker: bool = False, **options: Any) -> aioredis.Redis:
         plain: aioredis.Redis = aioredis.Redis.from_url(url, **options)
         return plain
     if worker:
-        options.setdefault("cluster_error_retry_attempts", 0)
+        options.setdefault("cluster_error_retry_attempts", 1)
     cluster = RedisCluster.from_url(f"{_CLUSTER_SCHEMES[scheme]}://{rest}", **options)
     return cast(aioredis.Redis, cluster)
 

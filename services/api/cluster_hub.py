@@ -33,7 +33,7 @@ import contextlib
 import logging
 from typing import Any, cast
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import (
@@ -57,8 +57,24 @@ LAG_RETRY_S = 0.002  # a replica behind a ring it already delivered: read again 
 LAG_GIVE_UP_S = 1.0  # a ring whose entry never shows (lost in a failover): the safety net's
 
 
+_TOPOLOGY_REPLIES = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN")  # as a plain client sees them
+
+
 class _Topology(Exception):
     """A node's answer says the slot map changed (or a node is gone): resynchronise."""
+
+
+def _is_topology(exc: BaseException) -> bool:
+    return isinstance(exc, _TOPOLOGY) or str(exc).startswith(_TOPOLOGY_REPLIES)
+
+
+class _ReadOnlyConnection(Connection):
+    """A connection that may read a replica's keys: READONLY on every (re)connect."""
+
+    async def on_connect(self) -> None:
+        await super().on_connect()
+        await self.send_command("READONLY")  # harmless on a primary
+        await self.read_response()
 
 
 class _NodeReader:
@@ -73,17 +89,16 @@ class _NodeReader:
         self.rung: dict[str, tuple[StreamId, float]] = {}
         self.failure: BaseException | None = None
         timeout = hub.block_ms / 1000 + 10
-        self.conn = Redis(host=host, port=port, single_connection_client=True,
-                          socket_timeout=timeout, socket_connect_timeout=5)  # fmt: skip
+        pool = ConnectionPool(connection_class=_ReadOnlyConnection, host=host, port=port,
+                              socket_timeout=timeout, socket_connect_timeout=5)  # fmt: skip
+        self.conn = Redis(connection_pool=pool)
         self.conn.set_response_callback("XREAD", _raw_reply)
-        self.bell = Connection(host=host, port=port, socket_connect_timeout=5)
+        self.bell = _ReadOnlyConnection(host=host, port=port, socket_connect_timeout=5)
         self._listener: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        await self.conn.execute_command("READONLY")  # type: ignore[no-untyped-call]
+        await self.conn.ping()  # fail here, not in the first read
         await self.bell.connect()  # type: ignore[no-untyped-call]
-        await self.bell.send_command("READONLY")
-        await self.bell.read_response()
         self._listener = asyncio.create_task(self._listen(), name=f"sluice-hub-{self.name}")
 
     async def close(self) -> None:
@@ -93,7 +108,7 @@ class _NodeReader:
         with contextlib.suppress(Exception):
             await self.bell.disconnect()
         with contextlib.suppress(Exception):
-            await self.conn.aclose()
+            await self.conn.aclose(close_connection_pool=True)
 
     async def subscribe(self, key: str) -> None:
         self.keys.add(key)
@@ -110,8 +125,10 @@ class _NodeReader:
             while True:
                 try:
                     reply = await self.bell.read_response()
-                except _TOPOLOGY as exc:  # a slot moved away under a SSUBSCRIBE
-                    raise _Topology(str(exc)) from exc
+                except ResponseError as exc:  # a slot moved away under a SSUBSCRIBE
+                    if _is_topology(exc):
+                        raise _Topology(str(exc)) from exc
+                    raise
                 kind, channel, payload = reply[0], reply[1].decode(), reply[2]
                 if kind == b"smessage":
                     rung = parse_id(payload.decode())
@@ -222,7 +239,7 @@ class ClusterStreamHub(StreamHub):
             self.xread_calls += 1
             got = 0
             for (key, _), reply in zip(streams.items(), replies, strict=True):
-                if isinstance(reply, _TOPOLOGY):
+                if isinstance(reply, Exception) and _is_topology(reply):
                     raise _Topology(str(reply))
                 if isinstance(reply, ResponseError):
                     self._fail(key, reply)
