@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 from redis.cluster import RedisCluster
 
-__all__ = ["LocalCluster", "PORTS"]
+__all__ = ["PORTS", "LocalCluster"]
 
 PORTS = tuple(range(17000, 17006))
 NODE_TIMEOUT_MS = 1000

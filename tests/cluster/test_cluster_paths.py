@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 
 import httpx
 import pytest
 
-from tests.chaos.sse_reader import read_chat
 from tests.cluster.conftest import MODEL, Stack
 
 pytestmark = pytest.mark.integration
