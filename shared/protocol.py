@@ -67,6 +67,7 @@ __all__ = [
     "ACQUIRE",
     "API_TIMEOUT_OWNER",
     "CLAIM_UNSTARTED",
+    "DOORBELL",
     "DUPLICATE",
     "ENQUEUED",
     "ENQUEUE_BOUNDED",
@@ -81,6 +82,7 @@ __all__ = [
     "Scripts",
     "claim_lost",
     "recovering_owner",
+    "ringing",
 ]
 
 JOB_FUNCTION = "generate"  # the arq function name: the API enqueues it, the worker registers it
@@ -233,19 +235,46 @@ return 1
 ENQUEUED, DUPLICATE, QUEUE_FULL = 1, 0, -1
 
 
+DOORBELL = """
+local tail = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if tail[1] then redis.call('SPUBLISH', KEYS[1], tail[1][1]) end
+"""
+"""On a Redis Cluster, a script that appended to ``KEYS[1]`` (the event stream) also rings its
+doorbell: ``SPUBLISH`` on the shard channel named like the stream (same slot), with the id of
+the stream's newest entry. One XREAD cannot block on streams in different slots (CROSSSLOT), so
+the API's cluster hub listens for these instead and then reads the stream; the id tells it how
+far a replica it reads from must have caught up (``services.api.cluster_hub``)."""
+
+
+def ringing(script: str) -> str:
+    """``script`` with ``DOORBELL`` run just before its last ``return`` (after its XADD)."""
+    head, sep, tail = script.rpartition("\nreturn ")
+    return head + DOORBELL + sep.lstrip("\n") + tail
+
+
+def _on_cluster(redis: object) -> bool:
+    # Duck-typed: shared does not import redis at module level (only RedisCluster has this).
+    return hasattr(redis, "nodes_manager")
+
+
 class Scripts:
     """The protocol's scripts registered on one client (cheap: one SHA1 per script).
 
     Each method spells the script's KEYS and ARGV from a request id, so callers never build them.
+    On a Redis Cluster the scripts that append events ring the doorbell (``DOORBELL``), and a
+    script queued on a pipeline is sent whole (EVAL): a cluster pipeline does not load scripts,
+    and a promoted replica's script cache is empty.
     """
 
     def __init__(self, redis: aioredis.Redis) -> None:
         """Register every script on ``redis``."""
-        self._publish = redis.register_script(PUBLISH)
+        self._cluster = _on_cluster(redis)
+        bell = ringing if self._cluster else str
+        self._publish = redis.register_script(bell(PUBLISH))
         self._acquire = redis.register_script(ACQUIRE)
         self._refresh = redis.register_script(REFRESH)
         self._release = redis.register_script(RELEASE)
-        self._claim_unstarted = redis.register_script(CLAIM_UNSTARTED)
+        self._claim_unstarted = redis.register_script(bell(CLAIM_UNSTARTED))
         self._enqueue_bounded = redis.register_script(ENQUEUE_BOUNDED)
 
     async def publish(
@@ -274,10 +303,16 @@ class Scripts:
 
     async def queue_acquire(self, pipe: Pipeline, rid: str, owner: str, lease_ms: int) -> None:
         """Queue ``ACQUIRE`` on ``pipe`` (its reply: 1 when taken, 0 when not)."""
+        if self._cluster:
+            pipe.eval(ACQUIRE, 1, keys.lease(rid), owner, str(lease_ms))
+            return
         await self._acquire([keys.lease(rid)], [owner, lease_ms], client=pipe)
 
     async def queue_refresh(self, pipe: Pipeline, rid: str, owner: str, lease_ms: int) -> None:
         """Queue ``REFRESH`` on ``pipe`` (its reply: ``LEASE_LOST``, else the cancel flag)."""
+        if self._cluster:
+            pipe.eval(REFRESH, 2, keys.lease(rid), keys.cancel(rid), owner, str(lease_ms))
+            return
         await self._refresh([keys.lease(rid), keys.cancel(rid)], [owner, lease_ms], client=pipe)
 
     async def release(self, rid: str, owner: str) -> bool:

@@ -30,6 +30,7 @@ from arq.connections import ArqRedis
 from arq.worker import Worker, func
 from redis.exceptions import RedisError
 
+from services import redis_conn
 from services.worker.backend import Backend
 from services.worker.heartbeat import VERSION, beat_once, device_of, heartbeat_loop, retire
 from services.worker.job_function import CTX_KEY, WorkerContext, generate
@@ -198,7 +199,7 @@ async def start_worker(
     settings: Settings, backend: Backend, *, wid: str | None = None
 ) -> RunningWorker:
     """Start a worker for ``backend`` on the running loop: card, heartbeat, arq, sweeper."""
-    redis = aioredis.Redis.from_url(settings.events_redis_url)
+    redis = redis_conn.client(settings.events_redis_url, worker=True)
     try:
         await redis.ping()
         await backend.start()
@@ -220,12 +221,12 @@ async def start_worker(
         engine=getattr(backend, "scheduler", None),
     )
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.hset(keys.model_card(name), "card", wc.card)
+        pipe.hset(keys.model_card(name), "card", wc.card)  # type: ignore[arg-type]
         pipe.sadd(keys.models(), name)
         await pipe.execute()
     await beat_once(wc)  # registered before the first job can arrive
     arq = ArqRedis(
-        aioredis.ConnectionPool.from_url(settings.queue_redis_url),
+        aioredis.ConnectionPool.from_url(redis_conn.queue_client_url(settings.queue_redis_url)),
         job_serializer=arq_serialize,
         job_deserializer=arq_deserialize,
         default_queue_name=keys.queue(name),
