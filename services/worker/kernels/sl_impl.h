@@ -1,5 +1,5 @@
 /* sluice CPU kernels, internal: instruction-set selection, vector helpers, and the stages shared
- * between matmul.c and decode.c. Not part of the ABI (sluice_cpu.h is). */
+ * between matmul.c, q8.c, attention.c and forward.c. Not part of the ABI (sluice_cpu.h is). */
 #ifndef SL_IMPL_H
 #define SL_IMPL_H
 
@@ -102,6 +102,12 @@ SL_INTERNAL void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq,
 SL_INTERNAL void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                                 const float *xs, const int8_t *wq, const float *wd, const float *wm,
                                 int sub16, const float *bias, float *y, int accumulate);
+/* attention over the slot KV cache, decode and prefill (attention.c documents the arguments) */
+SL_INTERNAL void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                                const float *cos_table, const float *sin_table,
+                                const int64_t *starts, const int64_t *slots, float *kc, float *vc,
+                                int64_t capacity, const float *q_norm, const float *k_norm,
+                                float eps, float *out, float *scores, int64_t span);
 /* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
 SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                              const float *xs, float *y, int accumulate);

@@ -93,10 +93,10 @@ def test_attention_decode_matches_torch(k: Kernels, qwen3: bool, hd: int) -> Non
     out = torch.full((b, H * hd), float("nan"))
     pos_t, slots_t = torch.tensor(pos), torch.tensor(slots)
     span = max(pos) + 1
-    scores = torch.full((b * H * span,), float("nan"))  # the kernel's softmax scratch
+    scores = torch.full((k.threads() * span,), float("nan"))  # the softmax scratch, per thread
     rows = qkv.clone()  # the kernel rotates q and k in place
-    k.lib.sl_attention_decode(
-        b, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_t.data_ptr(),
+    k.lib.sl_attention(
+        b, 1, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_t.data_ptr(),
         slots_t.data_ptr(), kc.data_ptr(), vc.data_ptr(), capacity,
         0 if q_norm is None else q_norm.weight.data_ptr(),
         0 if k_norm is None else k_norm.weight.data_ptr(), eps, out.data_ptr(),
