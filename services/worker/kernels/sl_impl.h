@@ -82,7 +82,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 #endif
 
 /* Stages shared between the files: each holds an orphaned `omp for`, so called inside a parallel
- * region (sl_decode) it shares that region's threads and ends on its barrier. Hidden: only the
+ * region (sl_forward) it shares that region's threads and ends on its barrier. Hidden: only the
  * sl_* entry points are exported. */
 #define SL_INTERNAL __attribute__((visibility("hidden")))
 SL_INTERNAL void quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd,
