@@ -119,9 +119,10 @@ static inline void store(float *y, float v, const float *bias, int64_t n, int ac
 }
 
 /* A tile function called with a literal row count mt (1..MT): always_inline + the literal let
- * the compiler keep the accumulators in registers. */
-#define DISPATCH_TILE(fn, mt, ...)                                                                 \
-    switch (mt) {                                                                                  \
+ * the compiler keep the accumulators in registers. The cases above MT are left out, not just
+ * never taken: GCC would otherwise inline them and warn about acc[MT] indexed past its end. */
+#if MT > 4
+#define SL_TILE_CASES_5_TO_8(fn, ...)                                                              \
     case 8:                                                                                        \
         fn(8, __VA_ARGS__);                                                                        \
         break;                                                                                     \
@@ -133,7 +134,13 @@ static inline void store(float *y, float v, const float *bias, int64_t n, int ac
         break;                                                                                     \
     case 5:                                                                                        \
         fn(5, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
+        break;
+#else
+#define SL_TILE_CASES_5_TO_8(fn, ...)
+#endif
+#define DISPATCH_TILE(fn, mt, ...)                                                                 \
+    switch (mt) {                                                                                  \
+        SL_TILE_CASES_5_TO_8(fn, __VA_ARGS__)                                                      \
     case 4:                                                                                        \
         fn(4, __VA_ARGS__);                                                                        \
         break;                                                                                     \
