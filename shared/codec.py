@@ -12,7 +12,7 @@ tips).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -22,6 +22,7 @@ from shared.jobs import Job
 
 __all__ = [
     "SCHEMA_VERSION",
+    "decode_entries",
     "decode_entry",
     "decode_event",
     "decode_job",
@@ -89,6 +90,15 @@ def decode_entry(fields: Mapping[bytes, bytes]) -> list[AnyEvent]:
     if not events:
         raise ProtocolError("stream entry without events")
     return events
+
+
+def decode_entries(entries: Iterable[tuple[object, Mapping[bytes, bytes]]]) -> list[AnyEvent]:
+    """The events of ``(entry id, fields)`` pairs (an XRANGE reply), in order, flattened.
+
+    Raises:
+        ProtocolError: an entry does not decode.
+    """
+    return [event for _, fields in entries for event in decode_entry(fields)]
 
 
 def encode_job(job: Job) -> bytes:

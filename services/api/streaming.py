@@ -101,8 +101,12 @@ async def _finished_log(
     """
     key = keys.events(rid)
     last = await state.redis.xrevrange(key, count=1)
-    if not last or not is_terminal(decode_entry(last[0][1])[-1]):
-        return None
+    try:
+        if not last or not is_terminal(decode_entry(last[0][1])[-1]):
+            return None
+    except ProtocolError:
+        return None  # the tail delivers what decodes before it, then fails in-band
+
     last_id = last[0][0].decode()
     if after != "0-0" and parse_id(last_id) <= parse_id(after):
         return []  # resumed after the terminal entry: nothing will ever follow it
