@@ -17,18 +17,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from services.api.coalesce import MAX_FOLD_CHARS, Item, fold_deltas
 from services.api.streaming import Projector
 from services.api.wire import sse
-from services.api.wire.anthropic_messages import Context as MsgContext
-from services.api.wire.anthropic_messages import Projector as MsgProjector
-from services.api.wire.openai_chat import Context as ChatContext
-from services.api.wire.openai_chat import Projector as ChatProjector
+from services.api.wire.anthropic_messages import Context as MsgContext, Projector as MsgProjector
+from services.api.wire.openai_chat import Context as ChatContext, Projector as ChatProjector
 from shared.accumulate import fold
 from shared.events import AnyEvent, TextDelta, is_terminal
 from tests.factories import SCENARIOS
