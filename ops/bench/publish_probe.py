@@ -61,9 +61,7 @@ async def probe(url: str, streams: int, clients: int, seconds: float) -> None:
     cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"]) - cpu0
     stats = sum(int(v["calls"]) for v in (await redis.info("commandstats")).values()) - stats0
     entries = sum(counts)
-    print(
-        "| streams | clients | entries/s | Redis cmds/entry | Redis CPU % | entries/s per Redis core |"
-    )
+    print("| streams | clients | entries/s | Redis cmds/entry | Redis CPU % | entries/s per core |")
     print("|---|---|---|---|---|---|")
     rate = entries / elapsed
     print(
