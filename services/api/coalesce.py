@@ -27,9 +27,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import chain
 
-from shared.events import AnyEvent, ReasoningDelta, TextDelta, ToolCallArgsDelta
+from shared.codec import decode_entry
+from shared.errors import ProtocolError
+from shared.events import (
+    AnyEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    is_terminal,
+)
 
-__all__ = ["MAX_FOLD_CHARS", "Item", "fold_deltas"]
+__all__ = ["MAX_FOLD_CHARS", "Item", "entry_items", "fold_deltas"]
 
 Item = tuple[str, AnyEvent, bool]
 """``(entry id, event, whether it is the last event of that entry)``."""
@@ -113,3 +121,23 @@ def fold_deltas(items: Iterable[Item]) -> list[Item]:
         tail = (entry_id, ends)
     flush()
     return out
+
+
+def entry_items(
+    entries: list[tuple[str, dict[bytes, bytes]]],
+) -> tuple[list[Item], Exception | None]:
+    """Decode ``(entry id, fields)`` pairs into items (each event with its entry id, the last of
+    each entry flagged), stopping after a terminal event; an undecodable entry ends the list
+    and its error is returned beside it (the caller delivers what decoded, then fails)."""
+    items: list[Item] = []
+    for entry_id, fields in entries:
+        try:
+            events = decode_entry(fields)
+        except ProtocolError as exc:
+            return items, exc
+        last = len(events) - 1
+        for i, event in enumerate(events):
+            items.append((entry_id, event, i == last))
+            if is_terminal(event):
+                return items, None
+    return items, None

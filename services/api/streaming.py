@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from services.api import access
-from services.api.coalesce import Item, fold_deltas
+from services.api.coalesce import Item, entry_items, fold_deltas
 from services.api.metrics import format_of
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
@@ -74,23 +74,6 @@ class Projector(Protocol):
         ...
 
 
-def _items(entries: list[tuple[str, dict[bytes, bytes]]]) -> tuple[list[Item], Exception | None]:
-    """Decode entries into items (events with their entry id; the last of each entry flagged),
-    stopping after a terminal event; an undecodable entry ends the list and is returned."""
-    items: list[Item] = []
-    for entry_id, fields in entries:
-        try:
-            events = decode_entry(fields)
-        except ProtocolError as exc:
-            return items, exc
-        last = len(events) - 1
-        for i, event in enumerate(events):
-            items.append((entry_id, event, i == last))
-            if is_terminal(event):
-                return items, None
-    return items, None
-
-
 async def _finished_log(
     state: AppState, rid: str, after: str
 ) -> list[tuple[str, dict[bytes, bytes]]] | None:
@@ -121,7 +104,7 @@ async def _batches(state: AppState, rid: str, after: str) -> AsyncGenerator[list
     keepalive_s = state.settings.keepalive_s
     finished = await _finished_log(state, rid, after)
     if finished is not None:
-        items, error = _items(finished)
+        items, error = entry_items(finished)
         if items:
             yield items
         if error is not None:
@@ -154,7 +137,7 @@ async def _batches(state: AppState, rid: str, after: str) -> AsyncGenerator[list
                 if time.monotonic() - quiet_since < keepalive_s:
                     continue  # woken by a deadline or a check, not by a silence: no keepalive
             quiet_since = time.monotonic()
-            items, error = _items(entries)
+            items, error = entry_items(entries)
             if items or not entries:
                 yield items  # deliver what decoded before failing
             if error is not None:
