@@ -141,7 +141,7 @@ async def run_job(wc: WorkerContext, job: Job) -> None:
     entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
     attempt = int(attempts or 0) + 1
     logs.bind(attempt=attempt)
-    history = [decode_entry(fields) for _, fields in entries]
+    history = [event for _, fields in entries for event in decode_entry(fields)]
     if history and is_terminal(history[-1]):
         log.info("%s: already finished; duplicate job ignored", rid)
         await _settle(wc, pub, finished=True)

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared import keys
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from tests.integration.worker_harness import WorkerHandle, running_worker
 from tests.invariants import check_stream
 
@@ -104,7 +104,7 @@ async def smollm2(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[Worker
 
 
 async def checked(redis: aioredis.Redis, rid: str) -> None:
-    check_stream([decode_entry(f) for _, f in await redis.xrange(keys.events(rid))])
+    check_stream(decode_entries(await redis.xrange(keys.events(rid))))
 
 
 async def test_chat_completions_structured_outputs(
