@@ -113,8 +113,9 @@ if ARGV[4] ~= '0' then
     if k ~= 2 and k ~= 3 then redis.call('EXPIRE', KEYS[k], ARGV[4]) end
   end
 end
-if state[2] then return 1 end
-return 0
+local cancelled = 0
+if state[2] then cancelled = 1 end
+return cancelled
 """
 """Append one entry (a decode step's events) under the lease, and read the cancel flag.
 
@@ -255,7 +256,11 @@ far a replica it reads from must have caught up (``services.api.cluster_hub``)."
 
 
 def ringing(script: str) -> str:
-    """``script`` with ``DOORBELL`` run just before its last ``return`` (after its XADD)."""
+    """``script`` with ``DOORBELL`` run just before its last ``return`` (after its XADD).
+
+    So a script that appends must end in its one ``return`` after the write: an earlier return
+    past the XADD would skip the bell (the hub would see the entry only at its periodic sweep).
+    """
     head, sep, tail = script.rpartition("\nreturn ")
     return head + DOORBELL + sep.lstrip("\n") + tail
 
