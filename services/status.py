@@ -17,7 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services import arq_keys
+from services import arq_keys, redis_conn
 from shared import keys
 from shared.config import Settings
 
@@ -131,8 +131,8 @@ def format_text(snap: dict[str, Any]) -> str:
 
 
 async def _run(settings: Settings, watch: float | None, as_json: bool) -> int:
-    redis = aioredis.Redis.from_url(settings.events_redis_url, socket_connect_timeout=5)
-    queue = aioredis.Redis.from_url(settings.queue_redis_url, socket_connect_timeout=5)
+    redis = redis_conn.client(settings.events_redis_url, socket_connect_timeout=5)
+    queue = redis_conn.queue_client(settings.queue_redis_url, socket_connect_timeout=5)
     try:
         while True:
             snap = await snapshot(redis, queue)

@@ -40,7 +40,9 @@ return ``LEASE_LOST`` and write nothing. That is what keeps the stream a clean l
 stalled worker wakes up after its request moved on.
 
 Stream entries are ``XADD sluice:events:{rid} MAXLEN ~ <maxlen> * v <schema version> e <msgpack
-event>``, and every write refreshes the stream's TTL to the retention.
+array of events>`` (one entry per sequence per decode step, ``shared.codec``), and the writer
+keeps the stream's TTL at the retention (set on its first write and its terminal one, refreshed
+between at most once a minute).
 
 Running the scripts
 -------------------
@@ -67,6 +69,7 @@ __all__ = [
     "ACQUIRE",
     "API_TIMEOUT_OWNER",
     "CLAIM_UNSTARTED",
+    "DOORBELL",
     "DUPLICATE",
     "ENQUEUED",
     "ENQUEUE_BOUNDED",
@@ -81,6 +84,7 @@ __all__ = [
     "Scripts",
     "claim_lost",
     "recovering_owner",
+    "ringing",
 ]
 
 JOB_FUNCTION = "generate"  # the arq function name: the API enqueues it, the worker registers it
@@ -97,29 +101,36 @@ def recovering_owner(wid: str) -> str:
 
 
 PUBLISH = """
-local holder = redis.call('GET', KEYS[2])
-if not holder then
+local state = redis.call('MGET', KEYS[2], KEYS[3])
+if not state[1] then
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-elseif holder ~= ARGV[1] then
+elseif state[1] ~= ARGV[1] then
   return -1
 end
-for i = 6, #ARGV do
-  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'v', ARGV[5], 'e', ARGV[i])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'v', ARGV[5], 'e', ARGV[6])
+if ARGV[4] ~= '0' then
+  for k = 1, #KEYS do
+    if k ~= 2 and k ~= 3 then redis.call('EXPIRE', KEYS[k], ARGV[4]) end
+  end
 end
-for k = 1, #KEYS do
-  if k ~= 2 and k ~= 3 then redis.call('EXPIRE', KEYS[k], ARGV[4]) end
-end
-return redis.call('EXISTS', KEYS[3])
+local cancelled = 0
+if state[2] then cancelled = 1 end
+return cancelled
 """
-"""Append a batch of events under the lease, and read the cancel flag.
+"""Append one entry (a decode step's events) under the lease, and read the cancel flag.
 
 KEYS: events, lease, cancel, then any keys whose TTL becomes ``retention_s`` with the stream's
 (the request hash of a ``store: false`` request's terminal batch: shortened in the same step as
 the terminal event is written, so no crash can leave it at the full retention). ARGV: owner,
-lease_ttl_ms, maxlen, retention_s, schema version, then one msgpack event body per entry. Takes
-the lease if it is free (the owner's own lease expired during a slow step), refuses if another
-owner holds it. Returns ``LEASE_LOST`` (-1, nothing written), else 1 when the cancel flag is set
-and 0 when not.
+lease_ttl_ms, maxlen, retention_s (``0``: leave the TTLs as they are), schema version, the
+entry's body (``shared.codec.encode_events``). Takes the lease if it is free (the owner's own
+lease expired during a slow step), refuses if another owner holds it. Returns ``LEASE_LOST``
+(-1, nothing written), else 1 when the cancel flag is set and 0 when not.
+
+Commands per call: the EVALSHA, one MGET (lease and cancel flag together: both keys share the
+``{rid}`` tag, so this is valid on a cluster too), the XADD, and EXPIREs only when the caller
+asks (``Publisher`` does on its first and terminal writes and once a minute between: a TTL of
+hours need not be re-set on every token). That is 3 commands per entry, down from 5.
 """
 
 ACQUIRE = """
@@ -187,12 +198,12 @@ return 1
 """
 """The API ends a request no worker started: the start timeout.
 
-KEYS: events, lease, request. ARGV: owner, lease_ttl_ms, maxlen, retention_s, schema version,
-the msgpack Error body, unstored_retention_s (the TTL of the stream and the request hash when
-the hash says ``store`` = ``0``). Returns a ``Claim`` value: ``STARTED`` when the stream already
-has an event, ``GONE`` when the request hash is gone (retention expired: nothing to end),
-``HELD`` when someone holds the lease, ``TIMED_OUT`` when the Error was appended under the new
-lease.
+KEYS: events, lease, request. ARGV: owner, lease_ttl_ms, maxlen, retention_s, schema version, the
+entry body holding the Error (``encode_events``), unstored_retention_s (the TTL of the stream and
+the request hash when the hash says ``store`` = ``0``). Returns a ``Claim`` value: ``STARTED`` when
+the stream already has an event, ``GONE`` when the request hash is gone (retention expired: nothing
+to end), ``HELD`` when someone holds the lease, ``TIMED_OUT`` when the Error was appended under the
+new lease.
 """
 
 
@@ -233,39 +244,71 @@ return 1
 ENQUEUED, DUPLICATE, QUEUE_FULL = 1, 0, -1
 
 
+DOORBELL = """
+local tail = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if tail[1] then redis.call('SPUBLISH', KEYS[1], tail[1][1]) end
+"""
+"""On a Redis Cluster, a script that appended to ``KEYS[1]`` (the event stream) also rings its
+doorbell: ``SPUBLISH`` on the shard channel named like the stream (same slot), with the id of
+the stream's newest entry. One XREAD cannot block on streams in different slots (CROSSSLOT), so
+the API's cluster hub listens for these instead and then reads the stream; the id tells it how
+far a replica it reads from must have caught up (``services.api.cluster_hub``)."""
+
+
+def ringing(script: str) -> str:
+    """``script`` with ``DOORBELL`` run just before its last ``return`` (after its XADD).
+
+    So a script that appends must end in its one ``return`` after the write: an earlier return
+    past the XADD would skip the bell (the hub would see the entry only at its periodic sweep).
+    """
+    head, sep, tail = script.rpartition("\nreturn ")
+    return head + DOORBELL + sep.lstrip("\n") + tail
+
+
+def _on_cluster(redis: object) -> bool:
+    # Duck-typed: shared does not import redis at module level (only RedisCluster has this).
+    return hasattr(redis, "nodes_manager")
+
+
 class Scripts:
     """The protocol's scripts registered on one client (cheap: one SHA1 per script).
 
     Each method spells the script's KEYS and ARGV from a request id, so callers never build them.
+    On a Redis Cluster the scripts that append events ring the doorbell (``DOORBELL``), and a
+    script queued on a pipeline is sent whole (EVAL): a cluster pipeline does not load scripts,
+    and a promoted replica's script cache is empty.
     """
 
     def __init__(self, redis: aioredis.Redis) -> None:
         """Register every script on ``redis``."""
-        self._publish = redis.register_script(PUBLISH)
+        self._cluster = _on_cluster(redis)
+        bell = ringing if self._cluster else str
+        self._publish = redis.register_script(bell(PUBLISH))
         self._acquire = redis.register_script(ACQUIRE)
         self._refresh = redis.register_script(REFRESH)
         self._release = redis.register_script(RELEASE)
-        self._claim_unstarted = redis.register_script(CLAIM_UNSTARTED)
+        self._claim_unstarted = redis.register_script(bell(CLAIM_UNSTARTED))
         self._enqueue_bounded = redis.register_script(ENQUEUE_BOUNDED)
 
     async def publish(
         self,
         rid: str,
         owner: str,
-        bodies: Sequence[bytes],
+        body: bytes,
         *,
         lease_ms: int,
         maxlen: int,
         retention_s: int,
         also_expire: Sequence[str] = (),
     ) -> int:
-        """Run ``PUBLISH``: ``LEASE_LOST``, else the cancel flag (0 or 1).
+        """Run ``PUBLISH`` with one entry ``body``: ``LEASE_LOST``, else the cancel flag (0 or 1).
 
-        ``also_expire``: keys of the same request whose TTL becomes ``retention_s`` with the
-        stream's (only when the script writes).
+        ``retention_s``: the TTL the stream gets, or 0 to leave it. ``also_expire``: keys of the
+        same request whose TTL becomes ``retention_s`` with the stream's (only when the script
+        writes and ``retention_s`` is not 0).
         """
         keys_ = [keys.events(rid), keys.lease(rid), keys.cancel(rid), *also_expire]
-        args: list[Any] = [owner, lease_ms, maxlen, retention_s, SCHEMA_VERSION, *bodies]
+        args: list[Any] = [owner, lease_ms, maxlen, retention_s, SCHEMA_VERSION, body]
         return int(await self._publish(keys_, args))
 
     async def acquire(self, rid: str, owner: str, lease_ms: int) -> bool:
@@ -274,10 +317,16 @@ class Scripts:
 
     async def queue_acquire(self, pipe: Pipeline, rid: str, owner: str, lease_ms: int) -> None:
         """Queue ``ACQUIRE`` on ``pipe`` (its reply: 1 when taken, 0 when not)."""
+        if self._cluster:
+            pipe.eval(ACQUIRE, 1, keys.lease(rid), owner, str(lease_ms))
+            return
         await self._acquire([keys.lease(rid)], [owner, lease_ms], client=pipe)
 
     async def queue_refresh(self, pipe: Pipeline, rid: str, owner: str, lease_ms: int) -> None:
         """Queue ``REFRESH`` on ``pipe`` (its reply: ``LEASE_LOST``, else the cancel flag)."""
+        if self._cluster:
+            pipe.eval(REFRESH, 2, keys.lease(rid), keys.cancel(rid), owner, str(lease_ms))
+            return
         await self._refresh([keys.lease(rid), keys.cancel(rid)], [owner, lease_ms], client=pipe)
 
     async def release(self, rid: str, owner: str) -> bool:

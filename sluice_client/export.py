@@ -53,8 +53,9 @@ async def export_stream(redis_url: str, rid: str, path: str | Path | IO[str]) ->
             for raw_id, fields in page:
                 entry_id = raw_id.decode()
                 first_ms = entry_ms(entry_id) if first_ms is None else first_ms
-                item = StreamEvent(entry_id, entry_ms(entry_id) - first_ms, decode_entry(fields))
-                lines.append(_JSON.encode(item))
+                for event in decode_entry(fields):  # the events of one entry share its id
+                    item = StreamEvent(entry_id, entry_ms(entry_id) - first_ms, event)
+                    lines.append(_JSON.encode(item))
             if len(page) < 500:
                 break
             start = "(" + page[-1][0].decode()

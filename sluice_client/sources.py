@@ -284,7 +284,11 @@ class LiveSource:
             if resp.status_code >= 400:
                 _raise_for(resp, await resp.aread())
             data: list[str] = []
-            entry_id = ""
+            entry_id: str | None = None
+            # An entry holds a decode step's events; only its last event's frame has the id.
+            # The others wait for it, so every event yielded is resumable after its own id and
+            # a connection that drops mid-entry repeats nothing on resume.
+            pending: list[AnyEvent] = []
             async for line in resp.aiter_lines():
                 if line.startswith(":"):
                     continue
@@ -298,8 +302,12 @@ class LiveSource:
                     continue
                 if data:
                     try:
-                        event = _EVENT_JSON.decode("\n".join(data))
+                        pending.append(_EVENT_JSON.decode("\n".join(data)))
                     except msgspec.DecodeError as exc:
                         raise ProtocolError(f"undecodable event from server: {exc}") from exc
-                    yield entry_id, event
+                    if entry_id is not None:
+                        for event in pending:
+                            yield entry_id, event
+                        pending = []
                 data = []
+                entry_id = None

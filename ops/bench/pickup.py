@@ -121,10 +121,10 @@ async def first_and_last(redis: aioredis.Redis, rid: str) -> tuple[int, bool]:
         for _, entries in await redis.xread({keys.events(rid): last}, block=5000):
             for entry_id, fields in entries:
                 last = entry_id.decode()
-                event = decode_entry(fields)
-                if isinstance(event, Start):
+                events = decode_entry(fields)
+                if isinstance(events[0], Start):
                     start_ms = int(last.split("-")[0])
-                if is_terminal(event):
+                if is_terminal(events[-1]):
                     return start_ms, True
 
 

@@ -40,7 +40,7 @@ from ops.bench.streams import free_port, start_redis
 
 MODEL = "bench-ops"
 SPEC = "scripted:long?max_batch=64"
-WATCHED = ("evalsha", "xadd", "xread", "expire", "get", "exists", "hset", "set")
+WATCHED = ("evalsha", "xadd", "xread", "expire", "get", "mget", "exists", "hset", "set")
 
 
 async def commandstats(redis: aioredis.Redis) -> dict[str, int]:
@@ -88,6 +88,8 @@ async def run(redis: aioredis.Redis, base: str, n: int, slow_s: float) -> dict[s
     out["tokens_per_step"] = tokens / steps
     for name in WATCHED:
         out[name] = delta.get(name, 0) / tokens
+    top = sorted(delta.items(), key=lambda kv: -kv[1])[:10]
+    print("  per entry: " + ", ".join(f"{k} {v / steps:.2f}" for k, v in top), file=sys.stderr)
     return out
 
 

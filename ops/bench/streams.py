@@ -283,7 +283,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
+    parser.add_argument(
+        "--redis-url",
+        "--events-url",
+        default=None,
+        help="use this (events) Redis instead of a private one; passed through as is",
+    )
     parser.add_argument(
         "--levels",
         type=lambda s: [int(x) for x in s.split(",")],

@@ -1,11 +1,12 @@
 """The FastAPI application factory: its lifespan builds the state, and every router is mounted.
 
 ``create_app(settings)`` builds an app with no module globals: the lifespan opens one Redis
-connection pool (shared by the command client and arq's enqueue client), the ``StreamHub`` with
-its own blocking connection, and the ``CardCache``, and closes them on shutdown. Every router is
-mounted here; everything under ``/v1`` requires an API key when keys are configured. Request
-bodies are capped at ``max_body_bytes`` by a pure ASGI wrapper (never ``BaseHTTPMiddleware``,
-which breaks streaming and disconnects).
+connection pool (shared by the command client and arq's enqueue client; a cluster events URL
+gets a cluster client, ``services.redis_conn``), the ``StreamHub`` with its own blocking
+connection (``ClusterStreamHub`` on a cluster), and the ``CardCache``, and closes them on
+shutdown. Every router is mounted here; everything under ``/v1`` requires an API key when keys
+are configured. Request bodies are capped at ``max_body_bytes`` by a pure ASGI wrapper (never
+``BaseHTTPMiddleware``, which breaks streaming and disconnects).
 """
 
 from __future__ import annotations
@@ -15,20 +16,23 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import msgspec
-import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 from fastapi import Depends, FastAPI
+from redis.asyncio import ConnectionPool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services import redis_conn
 from services.api.access import Observe
 from services.api.auth import authenticate
 from services.api.cards import CardCache
+from services.api.cluster_hub import ClusterStreamHub
 from services.api.error_handlers import install_error_handlers
 from services.api.hub import StreamHub
 from services.api.metrics import ApiMetrics
 from services.api.routes import chat, health, messages, models, native, responses
 from services.api.start_timeout import sweep_loop
 from services.api.state import AppState, load_reasoning_key
+from services.redis_conn import queue_client_url
 from shared.config import Settings
 from shared.errors import RequestTooLarge
 
@@ -81,19 +85,23 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = aioredis.ConnectionPool.from_url(settings.events_redis_url)
-        redis = aioredis.Redis(connection_pool=pool)
-        queue_url = settings.queue_redis_url
-        # One Redis (the default) shares one pool; a separate queue Redis gets its own.
-        same = queue_url == settings.events_redis_url
-        queue_pool = pool if same else aioredis.ConnectionPool.from_url(queue_url)
+        events_url, queue_url = settings.events_redis_url, settings.queue_redis_url
+        queue_client_url(queue_url)  # a cluster URL there is a clear error, not a late one
+        redis = redis_conn.client(events_url)
+        # One single Redis (the default) shares one pool; a separate queue Redis gets its own.
+        shared = queue_url == events_url
+        queue_pool = redis.connection_pool if shared else ConnectionPool.from_url(queue_url)
         # Never pickle: the job is msgpack bytes inside an arq envelope that is msgpack too.
         arq = ArqRedis(
             queue_pool,
             job_serializer=msgspec.msgpack.encode,
             job_deserializer=msgspec.msgpack.decode,
         )
-        hub = StreamHub(settings.events_redis_url, redis)
+        hub: StreamHub = (
+            ClusterStreamHub(events_url, redis)
+            if redis_conn.is_cluster(redis)
+            else StreamHub(events_url, redis)
+        )
         hub.on_read = metrics.xread_entries.observe
         metrics.hub_subscriptions.set_function(lambda: hub.subscriptions)
         await hub.start()
@@ -117,8 +125,8 @@ def create_app(settings: Settings) -> FastAPI:
             await hub.stop()
             if state.background:  # pending cancel flags: give them a moment to land
                 await asyncio.wait(list(state.background), timeout=2)
-            await pool.aclose()
-            if queue_pool is not pool:
+            await redis.aclose()
+            if not shared:
                 await queue_pool.aclose()
 
     app = FastAPI(

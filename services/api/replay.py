@@ -44,5 +44,6 @@ async def catch_up(state: AppState, request: Request, rid: str, projector: Proje
         raise InvalidRequest(f"{after!r} is not a stream entry id", param="after") from exc
     if after != _START:
         for _, fields in await state.redis.xrange(keys.events(rid), "-", after):
-            projector.feed(decode_entry(fields))
+            for event in decode_entry(fields):
+                projector.feed(event)
     return after

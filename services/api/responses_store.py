@@ -114,7 +114,7 @@ async def events(state: AppState, rid: str) -> list[AnyEvent]:
         The events so far; the last one is terminal once generation has ended.
     """
     entries = await state.redis.xrange(keys.events(rid), "-", "+")
-    return [decode_entry(fields) for _, fields in entries]
+    return [event for _, fields in entries for event in decode_entry(fields)]
 
 
 async def current(state: AppState, record: StoredResponse) -> Response:
@@ -130,7 +130,7 @@ async def current(state: AppState, record: StoredResponse) -> Response:
     if record.final is not None:
         return record.final
     entries = await state.redis.xrange(keys.events(record.skeleton.id), "-", "+")
-    log = [decode_entry(fields) for _, fields in entries]
+    log = [event for _, fields in entries for event in decode_entry(fields)]
     ended = entry_seconds(entries[-1][0]) if log and is_terminal(log[-1]) else None
     response = render(
         fold(log), record.skeleton, completed_at=ended, signer=signer_for(state, record)

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 
 from services import arq_keys
 from shared import keys
-from shared.codec import encode_event
+from shared.codec import encode_events
 from shared.config import Settings
 from shared.events import Error
 from shared.protocol import Claim, Scripts
@@ -91,7 +91,7 @@ async def claim_unstarted(
     # the claim must still find the lease taken when its ACQUIRE runs.
     result = await Scripts(redis).claim_unstarted(
         rid,
-        encode_event(error),
+        encode_events([error]),
         lease_ms=int(settings.retention_s * 1000),
         maxlen=settings.stream_maxlen,
         retention_s=settings.retention_s,

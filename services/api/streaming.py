@@ -1,20 +1,23 @@
 """The one pipeline every route streams through: tail → project → SSE.
 
-``tail`` reads a request's event log through the process's ``StreamHub`` from an explicit id
-until the terminal event. ``sse_response`` feeds those events to a wire format's projector and
-encodes its frames with ``sse.encode``; the Redis entry id rides on the last frame of each event
-as the SSE ``id:``, so ``Last-Event-ID`` resumes exactly after it. While nothing arrives it sends
-keepalives; when the client goes away it raises the cancel flag (after a short grace, in case it
-reconnects); and nothing raises past the SSE boundary once headers are out: a failure becomes
-the projector's own in-band error frame. Entries that piled up for a slow client leave in one
-write (``get_batch``), so an overloaded process spends fewer syscalls exactly when it must.
-``collect_events`` is the non-streaming twin (events until terminal, cancel on disconnect).
+``tail`` reads a request's event log through the process's ``StreamHub`` from an explicit id until
+the terminal event. ``sse_response`` feeds those events to a wire format's projector and encodes its
+frames with ``sse.encode``; the Redis entry id rides on the last frame of each entry (an entry holds
+one decode step's events) as the SSE ``id:``, so ``Last-Event-ID`` resumes exactly after it. A
+projector with ``coalesce`` set gets a backlog's consecutive deltas folded into one
+(``coalesce.fold_deltas``): a reader that is behind gets fewer, longer frames. A log that already
+holds its terminal event is read in one XRANGE, so replays fold the same way every time. While
+nothing arrives it sends keepalives; when the client goes away it raises the cancel flag (after a
+short grace, in case it reconnects); and nothing raises past the SSE boundary once headers are out:
+a failure becomes the projector's own in-band error frame. Entries that piled up for a slow client
+leave in one write (``get_batch``), so an overloaded process spends fewer syscalls exactly when it
+must. ``collect_events`` is the non-streaming twin (events until terminal, cancel on disconnect).
 Until a request's first event arrives, the wait is also bounded by ``start_timeout_s`` from its
 creation; past it, ``start_timeout.claim_unstarted`` ends the request with a retryable
 ``Error(overloaded)`` unless a worker holds it, and that Error reaches every watcher through the
-stream like any other event. A silent tail is also checked by ``stream_watch``: a log that
-vanished (Redis restarted without persistence) or a stream nobody has leased for longer than the
-lease TTL plus a margin ends with a retryable ``worker_lost`` error (``StreamLost``).
+stream like any other event. A silent tail is also checked by ``stream_watch``: a log that vanished
+(Redis restarted without persistence) or a stream nobody has leased for longer than the lease TTL
+plus a margin ends with a retryable ``worker_lost`` error (``StreamLost``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from services.api import access
+from services.api.coalesce import Item, entry_items, fold_deltas
 from services.api.metrics import format_of
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
@@ -55,7 +59,11 @@ CANCEL_GRACE_S = 1.0
 
 
 class Projector(Protocol):
-    """Turns events into one wire format's SSE frames; pure (no I/O, no clock, no ids)."""
+    """Turns events into one wire format's SSE frames; pure (no I/O, no clock, no ids).
+
+    Optional attributes, looked up once per stream: ``coalesce`` (True: fold a backlog's deltas
+    before feeding them) and ``stamp(entry_id)`` (told each event's entry id before its feed).
+    """
 
     def feed(self, event: AnyEvent) -> list[sse.Frame]:
         """Frames for one event (possibly none)."""
@@ -66,24 +74,44 @@ class Projector(Protocol):
         ...
 
 
-async def _ended_by(state: AppState, rid: str, after: str) -> bool:
-    """Whether the stream's terminal event is at or before entry ``after``."""
-    last = await state.redis.xrevrange(keys.events(rid), count=1)
-    if not last or parse_id(last[0][0].decode()) > parse_id(after):
-        return False
-    return is_terminal(decode_entry(last[0][1]))
-
-
-async def _batches(
+async def _finished_log(
     state: AppState, rid: str, after: str
-) -> AsyncGenerator[list[tuple[str, AnyEvent]], None]:
-    """Entries after ``after`` in the batches they are available in; ``[]`` on each silence
+) -> list[tuple[str, dict[bytes, bytes]]] | None:
+    """The entries after ``after`` when the log already holds its terminal event, else None.
+
+    A finished log is read in one XRANGE instead of through the hub, so a replay (and a resume
+    of a finished request) is one batch: its coalesced frames are the same on every read.
+    """
+    key = keys.events(rid)
+    last = await state.redis.xrevrange(key, count=1)
+    try:
+        if not last or not is_terminal(decode_entry(last[0][1])[-1]):
+            return None
+    except ProtocolError:
+        return None  # the tail delivers what decodes before it, then fails in-band
+
+    last_id = last[0][0].decode()
+    if after != "0-0" and parse_id(last_id) <= parse_id(after):
+        return []  # resumed after the terminal entry: nothing will ever follow it
+    low = "-" if after == "0-0" else f"({after}"
+    raw = await state.redis.xrange(key, low, "+")
+    return [(entry_id.decode(), fields) for entry_id, fields in raw]
+
+
+async def _batches(state: AppState, rid: str, after: str) -> AsyncGenerator[list[Item], None]:
+    """Items after ``after`` in the batches they are available in; ``[]`` on each silence
     of ``keepalive_s``. Stops after the terminal event."""
     keepalive_s = state.settings.keepalive_s
+    finished = await _finished_log(state, rid, after)
+    if finished is not None:
+        items, error = entry_items(finished)
+        if items:
+            yield items
+        if error is not None:
+            raise error
+        return
     # Until the first entry arrives the wait is also bounded by the start deadline; a client
     # resuming after an entry id saw the request start already.
-    if after != "0-0" and await _ended_by(state, rid, after):
-        return  # resumed after the terminal entry: nothing will ever follow it
     deadline = None if after != "0-0" else await start_deadline(state.redis, rid, state.settings)
     watch = StreamWatch(state, rid, started=after != "0-0")
     async with state.hub.subscription(keys.events(rid), after) as sub:
@@ -109,25 +137,17 @@ async def _batches(
                 if time.monotonic() - quiet_since < keepalive_s:
                     continue  # woken by a deadline or a check, not by a silence: no keepalive
             quiet_since = time.monotonic()
-            batch: list[tuple[str, AnyEvent]] = []
-            for entry_id, fields in entries:
-                try:
-                    event = decode_entry(fields)
-                except ProtocolError:
-                    if batch:  # deliver what decoded before failing
-                        yield batch
-                    raise
-                batch.append((entry_id, event))
-                if is_terminal(event):
-                    yield batch
-                    return
-            yield batch
+            items, error = entry_items(entries)
+            if items or not entries:
+                yield items  # deliver what decoded before failing
+            if error is not None:
+                raise error
+            if items and is_terminal(items[-1][1]):
+                return
 
 
-async def tail(
-    state: AppState, rid: str, after: str = "0-0"
-) -> AsyncIterator[tuple[str, AnyEvent]]:
-    """Yield ``(entry_id, event)`` of a request's stream after ``after`` until the terminal event.
+async def tail(state: AppState, rid: str, after: str = "0-0") -> AsyncIterator[Item]:
+    """Yield the events of a request's stream after ``after`` until the terminal event.
 
     Args:
         state: the app state.
@@ -135,7 +155,8 @@ async def tail(
         after: the last entry id already seen (``0-0`` for everything).
 
     Yields:
-        Entry id and decoded event; the last one yielded is terminal.
+        ``(entry id, event, whether it is the last event of its entry)``; the last one yielded
+        is terminal.
 
     Raises:
         ProtocolError: an entry does not decode.
@@ -182,6 +203,8 @@ async def _frames(
     # A projector that reports when things happened (Responses' completed_at) reads it off the
     # log's entry ids, the same for every reader; looked up once, not per event.
     stamp: Callable[[str], None] | None = getattr(projector, "stamp", None)
+    # A projector opts in to folding a backlog's deltas into fewer frames (``coalesce``).
+    folds = bool(getattr(projector, "coalesce", False))
     try:
         async with contextlib.aclosing(_batches(state, rid, after)) as batches:
             async for batch in batches:
@@ -191,14 +214,14 @@ async def _frames(
                 out: list[bytes] = []
                 if rec is not None and rec.ttft_ms is None:
                     rec.ttft_ms = round((time.perf_counter() - began) * 1000, 1)
-                for entry_id, event in batch:
+                for entry_id, event, ends in fold_deltas(batch) if folds else batch:
                     if stamp is not None:
                         stamp(entry_id)
                     frames = projector.feed(event)
-                    if frames:  # the entry id rides on the event's last frame
+                    if frames:  # the entry id rides on the last frame of the entry's last event
                         last = len(frames) - 1
                         out.extend(sse.encode(f) for f in frames[:last])
-                        out.append(sse.encode(frames[last], entry_id))
+                        out.append(sse.encode(frames[last], entry_id if ends else None))
                     if is_terminal(event):
                         finished = True
                         out.extend(sse.encode(f) for f in projector.close())
@@ -350,7 +373,7 @@ async def collect_events(state: AppState, request: Request, rid: str) -> list[An
     _count_reads(state, request, resumed=False)
 
     async def gather() -> None:
-        async for _, event in tail(state, rid):
+        async for _, event, _ in tail(state, rid):
             events.append(event)
 
     started = time.monotonic()

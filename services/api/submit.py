@@ -21,6 +21,7 @@ import msgspec
 
 from services import arq_keys
 from services.api import access
+from services.redis_conn import transactional
 from shared import keys, logs
 from shared.codec import encode_job
 from shared.errors import (
@@ -142,7 +143,7 @@ async def _enqueue(state: AppState, job: Job) -> int:
 
 
 async def _unstore(state: AppState, job: Job) -> None:
-    async with state.redis.pipeline(transaction=True) as pipe:
+    async with state.redis.pipeline(transaction=transactional(state.redis)) as pipe:
         pipe.delete(keys.request(job.request_id))
         pipe.zrem(keys.inflight(job.model), job.request_id)
         await pipe.execute()
@@ -150,7 +151,7 @@ async def _unstore(state: AppState, job: Job) -> None:
 
 async def _store(state: AppState, job: Job) -> None:
     retention = state.settings.retention_s
-    async with state.redis.pipeline(transaction=True) as pipe:
+    async with state.redis.pipeline(transaction=transactional(state.redis)) as pipe:
         pipe.hset(
             keys.request(job.request_id),
             mapping={

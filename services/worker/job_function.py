@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import (
+    ClusterDownError,
+    ConnectionError as RedisConnectionError,
+    TimeoutError as RedisTimeout,
+    TryAgainError,
+)
 
 from services.worker.backend import Backend
 from services.worker.metrics import RequestTimer, WorkerMetrics
@@ -135,7 +141,7 @@ async def run_job(wc: WorkerContext, job: Job) -> None:
     entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
     attempt = int(attempts or 0) + 1
     logs.bind(attempt=attempt)
-    history = [decode_entry(fields) for _, fields in entries]
+    history = [event for _, fields in entries for event in decode_entry(fields)]
     if history and is_terminal(history[-1]):
         log.info("%s: already finished; duplicate job ignored", rid)
         await _settle(wc, pub, finished=True)
@@ -259,6 +265,15 @@ async def _drive(
             return
         await _on_shutdown(wc, pub)
         raise
+    except (RedisConnectionError, RedisTimeout, ClusterDownError, TryAgainError) as exc:
+        # Redis went away mid-publish (a restart, a cluster failover). Whether the last batch
+        # landed is unknown, and an Error written once Redis is back would end an answer that
+        # can go on: the log is the truth, so the request is left to a sweeper's continuation,
+        # which replays what the log holds and generates the rest, each token exactly once.
+        log.warning(
+            "%s: Redis unavailable mid-request (%s); leaving it to recovery", job.request_id, exc
+        )
+        return
     except Exception as exc:  # the job boundary: any backend failure becomes an Error event
         log.exception("%s: backend failed", job.request_id)
         error = _error_event(exc)

@@ -28,8 +28,13 @@ import msgspec
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 from arq.worker import Worker, func
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+    RedisError,
+    TimeoutError as RedisTimeoutError,
+)
 
+from services import redis_conn
 from services.worker.backend import Backend
 from services.worker.heartbeat import VERSION, beat_once, device_of, heartbeat_loop, retire
 from services.worker.job_function import CTX_KEY, WorkerContext, generate
@@ -56,6 +61,7 @@ JOB_TIMEOUT_S = 6 * 3600  # arq's per-job timeout: only a backstop, leases handl
 SHUTDOWN_GRACE_S = 5.0  # SIGTERM: let in-flight requests finish this long, then hand them over
 POLL_BACKOFF_MIN_S = 0.05  # first retry after a failed queue poll (Redis down or restarting)
 POLL_BACKOFF_MAX_S = 2.0  # the longest wait between polls while Redis stays down
+START_BACKOFF_MAX_S = 5.0  # the longest wait between start-up attempts to reach Redis
 
 # arq stores failure results as exception objects; msgpack cannot, so they become their repr.
 _ARQ_ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)
@@ -198,7 +204,7 @@ async def start_worker(
     settings: Settings, backend: Backend, *, wid: str | None = None
 ) -> RunningWorker:
     """Start a worker for ``backend`` on the running loop: card, heartbeat, arq, sweeper."""
-    redis = aioredis.Redis.from_url(settings.events_redis_url)
+    redis = redis_conn.client(settings.events_redis_url, worker=True)
     try:
         await redis.ping()
         await backend.start()
@@ -220,12 +226,12 @@ async def start_worker(
         engine=getattr(backend, "scheduler", None),
     )
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.hset(keys.model_card(name), "card", wc.card)
+        pipe.hset(keys.model_card(name), "card", wc.card)  # type: ignore[arg-type]
         pipe.sadd(keys.models(), name)
         await pipe.execute()
     await beat_once(wc)  # registered before the first job can arrive
     arq = ArqRedis(
-        aioredis.ConnectionPool.from_url(settings.queue_redis_url),
+        aioredis.ConnectionPool.from_url(redis_conn.queue_client_url(settings.queue_redis_url)),
         job_serializer=arq_serialize,
         job_deserializer=arq_deserialize,
         default_queue_name=keys.queue(name),
@@ -273,6 +279,12 @@ def run_worker(settings: Settings, model_spec: str, name: str | None) -> int:
 
 
 async def _serve(settings: Settings, backend: Backend) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if not await _wait_for_redis(settings, stop):
+        return 0  # told to stop before Redis ever answered
     try:
         running = await start_worker(settings, backend)
     except RedisError as exc:
@@ -282,10 +294,6 @@ async def _serve(settings: Settings, backend: Backend) -> int:
     except Exception as exc:  # the backend's start-up (e.g. loading weights) failed
         print(f"sluice worker: cannot start model {backend.card.name!r}: {exc}", file=sys.stderr)
         return 2
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({stopper, running.main_task}, return_when=asyncio.FIRST_COMPLETED)
     crashed = running.main_task.done() and not stop.is_set()
@@ -294,3 +302,26 @@ async def _serve(settings: Settings, backend: Backend) -> int:
     stopper.cancel()
     await running.stop()
     return 1 if crashed else 0
+
+
+async def _wait_for_redis(settings: Settings, stop: asyncio.Event) -> bool:
+    """Wait until the events Redis answers; False if ``stop`` is set first.
+
+    A worker started before Redis (compose without health checks, a host reboot) or while it
+    restarts waits with a capped backoff instead of exiting: the model is loaded already, and an
+    exit would leave the restart to a supervisor that may not exist.
+    """
+    url, delay = settings.events_redis_url, POLL_BACKOFF_MIN_S
+    while True:
+        redis = redis_conn.client(url)
+        try:
+            await redis.ping()
+            return True
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            delay = min(delay * 2, START_BACKOFF_MAX_S)
+            log.warning("cannot reach Redis at %s (%s); retrying in %.1f s", url, exc, delay)
+        finally:
+            await redis.aclose()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+            return False

@@ -1,14 +1,17 @@
 """Appending a request's events to its Redis stream, fenced by the request lease.
 
 The publisher owns the write side of ``sluice:events:{rid}``: every batch (what one decode step
-produced) goes out in one round trip as the protocol's ``PUBLISH`` script (``shared.protocol``),
-which (1) checks that this worker still holds ``sluice:lease:{rid}`` (re-taking it if it merely
-expired), (2) XADDs each envelope with ``MAXLEN ~ stream_maxlen``, (3) refreshes the stream's TTL
-to the retention, and (4) returns whether ``sluice:cancel:{rid}`` is set. Doing this atomically
+produced for this sequence) goes out in one round trip as the protocol's ``PUBLISH`` script
+(``shared.protocol``), which (1) checks that this worker still holds ``sluice:lease:{rid}``
+(re-taking it if it merely expired), (2) XADDs the whole batch as ONE entry with ``MAXLEN ~
+stream_maxlen`` (``Start`` + first text, last text + ``Usage`` + ``Finish``: one entry per step, not
+per event), (3) sets the stream's TTL to the retention when asked (first write, terminal write, then
+at most every ``TTL_REFRESH_S``: re-setting a TTL of hours on every token was two of the five
+commands per entry), and (4) returns whether ``sluice:cancel:{rid}`` is set. Doing this atomically
 is what keeps the stream a clean log when a stalled worker wakes up after another worker took its
-request over: its late batch is refused instead of interleaving (fencing). Checking the cancel
-flag in the same call costs one O(1) command per step and no extra round trip, and bounds
-cancellation latency to one decode step.
+request over: its late batch is refused instead of interleaving (fencing). Checking the cancel flag
+in the same call costs nothing extra: the lease GET became an MGET of lease and flag, and no extra
+round trip, and bounds cancellation latency to one decode step.
 
 It also tracks the terminal event, so exactly one ``Finish``/``Error`` ever reaches the stream
 (``ensure_terminal`` is the ``finally`` that guarantees one).
@@ -20,20 +23,26 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from shared import keys
-from shared.codec import encode_event
+from shared.codec import encode_events
 from shared.config import Settings
 from shared.events import AnyEvent, is_terminal
 from shared.protocol import LEASE_LOST, Scripts
 
-__all__ = ["Outcome", "Publisher"]
+__all__ = ["TTL_REFRESH_S", "Outcome", "Publisher"]
 
 log = logging.getLogger(__name__)
+
+# The stream's TTL (the retention, a day by default) is re-set at most this often while a
+# request runs, so a generation of any length keeps its log, at one EXPIRE a minute instead
+# of one per step. Capped at half the retention for short retentions.
+TTL_REFRESH_S = 60.0
 
 
 class Outcome(enum.Enum):
@@ -73,12 +82,16 @@ class Publisher:
         # request hash down to the resume window, atomically with writing the terminal event.
         self._end_retention_s = settings.retention_s if store else settings.unstored_retention_s
         self._end_expire = () if store else (keys.request(rid),)
+        self._ttl_every_s = min(TTL_REFRESH_S, settings.retention_s / 2)
+        self._ttl_set_at: float | None = None  # monotonic time of the last TTL write
         self.terminal: AnyEvent | None = None
         self.lease_lost = False
         self.published = 0
 
     async def publish(self, events: Sequence[AnyEvent]) -> Outcome:
-        """Append ``events`` (one step's worth) in one round trip.
+        """Append ``events`` (one step's worth) as one stream entry, in one round trip.
+
+        An empty step writes nothing (an entry always holds at least one event).
 
         Cancellation waits for a call already sent, so ``terminal`` always tells the truth about
         the stream (a shutdown that interrupted a terminal write must not add a second one).
@@ -90,6 +103,8 @@ class Publisher:
             raise RuntimeError(f"{self.rid}: publish after the terminal event")
         if self.lease_lost:
             return Outcome.LEASE_LOST
+        if not events:
+            return Outcome.OK
         write = asyncio.ensure_future(self._write(events))
         try:
             return await asyncio.shield(write)
@@ -98,18 +113,29 @@ class Publisher:
                 await write
             raise
 
+    def _ttl(self, ends: bool) -> int:
+        """The TTL this write sets (0: leave it): first write, terminal write, then a refresh."""
+        if ends:
+            return self._end_retention_s
+        now = time.monotonic()
+        if self._ttl_set_at is None or now - self._ttl_set_at >= self._ttl_every_s:
+            return self._retention_s
+        return 0
+
     async def _write(self, events: Sequence[AnyEvent]) -> Outcome:
-        bodies = [encode_event(e) for e in events]
         ends = any(is_terminal(e) for e in events)
+        ttl = self._ttl(ends)
         result = await self._scripts.publish(
             self.rid,
             self.owner,
-            bodies,
+            encode_events(events),
             lease_ms=self._lease_ms,
             maxlen=self._maxlen,
-            retention_s=self._end_retention_s if ends else self._retention_s,
+            retention_s=ttl,
             also_expire=self._end_expire if ends else (),
         )
+        if ttl and result != LEASE_LOST:
+            self._ttl_set_at = time.monotonic()
         if result == LEASE_LOST:
             self.lease_lost = True
             log.warning("%s: lease taken over by another worker; stopping", self.rid)

@@ -190,7 +190,7 @@ async def sweep_orphans(wc: WorkerContext, limit: int) -> list[str]:
 
 async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
     last = await wc.redis.xrevrange(keys.events(rid), count=1)
-    if last and is_terminal(decode_entry(last[0][1])):
+    if last and is_terminal(decode_entry(last[0][1])[-1]):
         await wc.redis.zrem(keys.inflight(wc.name), rid)
         await _drop_jobs(wc, _job_ids(rid, wc.settings.max_attempts + 1))
         return True

@@ -82,7 +82,8 @@ def stack() -> Iterator[Callable[..., Stack]]:
         for _ in range(workers):
             built.start_worker()
         built.start_api()
-        wait_http(f"{built.base}/readyz")
+        if workers:
+            wait_http(f"{built.base}/readyz")
         return built
 
     yield make

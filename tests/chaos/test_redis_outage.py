@@ -90,3 +90,28 @@ async def test_readyz_ignores_heartbeats_restored_from_the_aof(stack: Callable[.
         assert ready.status_code == 503, ready.text
         s.start_worker()
     wait_http(f"{s.base}/readyz", timeout_s=20)
+
+
+async def test_a_worker_started_before_redis_waits_for_it(stack: Callable[..., Stack]) -> None:
+    s = stack(aof=False, workers=0)
+    s.redis.kill()
+    early = s.start_worker()  # Redis is down: it must wait, not exit
+    await asyncio.sleep(2.0)  # several start-up attempts
+    assert early.alive(), s.logs()
+    s.redis.start()
+    wait_http(f"{s.base}/readyz", timeout_s=20)
+    async with httpx.AsyncClient(timeout=30) as client:
+        reply = await client.post(f"{s.base}/v1/chat/completions", json=_body(8, stream=False))
+    assert reply.status_code == 200, reply.text + s.logs()
+    assert reply.json()["choices"][0]["message"]["content"].startswith("w0 w1 w2")
+    assert "cannot reach Redis" in early.output()
+
+
+def test_a_worker_waiting_for_redis_stops_on_sigterm(stack: Callable[..., Stack]) -> None:
+    s = stack(aof=False, workers=0)
+    s.redis.kill()
+    waiting = s.start_worker()
+    time.sleep(1.0)
+    assert waiting.alive(), s.logs()
+    waiting.stop()
+    assert waiting.proc.returncode == 0, s.logs()

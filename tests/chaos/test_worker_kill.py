@@ -44,6 +44,8 @@ async def test_kill_9_with_a_full_batch(stack: Callable[..., Stack]) -> None:
         reference = await client.post(f"{s.base}/v1/chat/completions", json=_body(150, False))
         expected = reference.json()["choices"][0]["message"]["content"]
         s.start_worker()
+        wait_http(f"{s.base}/readyz")
+        idle_before = await _commands_per_s(s)
         streams = [
             asyncio.create_task(
                 read_chat(client, s.base, _body(150), after_chunks=3, hook=one_more)
@@ -69,4 +71,17 @@ async def test_kill_9_with_a_full_batch(stack: Callable[..., Stack]) -> None:
                 break
             await asyncio.sleep(0.2)
         assert leftovers == (0, 0), r.zrange(f"sluice:queue:{LONG_MODEL}", 0, -1)
+        # Idle Redis load is back to what two idle workers cost (a dead worker's jobs once
+        # kept the survivor polling them: ~16 -> ~6,000 commands/s).
+        idle_after = await _commands_per_s(s)
+        assert idle_after <= 3 * idle_before + 50, (idle_before, idle_after)
     wait_http(f"{s.base}/readyz")
+
+
+async def _commands_per_s(s: Stack, window_s: float = 1.0) -> float:
+    """Commands Redis processed per second over ``window_s`` (INFO's counter, our two calls out)."""
+    r = s.redis.client()
+    first = int(r.info("stats")["total_commands_processed"])
+    await asyncio.sleep(window_s)
+    last = int(r.info("stats")["total_commands_processed"])
+    return (last - first - 1) / window_s

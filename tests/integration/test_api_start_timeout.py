@@ -21,7 +21,7 @@ from services.api.start_timeout import claim_unstarted, sweep_unstarted
 from services.worker.job_function import WorkerContext, run_job
 from services.worker.scripted import parse_spec
 from shared import keys
-from shared.codec import decode_entry, decode_job, encode_job
+from shared.codec import decode_entries, decode_job, encode_job
 from shared.config import Settings
 from shared.events import AnyEvent, Error, Finish, Start
 from shared.jobs import Job
@@ -57,7 +57,7 @@ def worker_context(settings: Settings, redis: aioredis.Redis, wid: str) -> Worke
 
 
 async def stored(redis: aioredis.Redis, rid: str) -> list[AnyEvent]:
-    return [decode_entry(fields) for _, fields in await redis.xrange(keys.events(rid))]
+    return decode_entries(await redis.xrange(keys.events(rid)))
 
 
 def is_timeout(events: list[AnyEvent]) -> bool:
@@ -234,6 +234,6 @@ async def test_nobody_watching_still_times_out(
         rid = await create(client)
     reply = await redis.xread({keys.events(rid): "0-0"}, block=10_000)
     assert reply, "no Error within 10 s of a 0.6 s start timeout"
-    events = [decode_entry(fields) for _, fields in reply[0][1]]
+    events = decode_entries(reply[0][1])
     check_stream(events)
     assert is_timeout(events)

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared import keys
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from tests.integration.worker_harness import WorkerHandle, running_worker
 from tests.invariants import check_stream
 
@@ -58,4 +58,4 @@ async def test_default_model_streams_and_answers_identically(
     assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     for rid in (done.id, chunks[0].id):
-        check_stream([decode_entry(f) for _, f in await redis.xrange(keys.events(rid))])
+        check_stream(decode_entries(await redis.xrange(keys.events(rid))))

@@ -23,7 +23,7 @@ from services.worker.main import start_worker
 from services.worker.torch_backend import TorchBackend
 from shared import keys
 from shared.accumulate import fold
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from shared.config import Settings
 from tests.forced_model import forced_backend as forced_model_backend
 from tests.invariants import check_stream
@@ -70,7 +70,7 @@ async def rendered(
     redis: aioredis.Redis, completion: ChatCompletion, shown: bool
 ) -> ChatCompletion:
     """``render(fold(events))`` of the events the worker published for ``completion``."""
-    events = [decode_entry(f) for _, f in await redis.xrange(keys.events(completion.id))]
+    events = decode_entries(await redis.xrange(keys.events(completion.id)))
     check_stream(events)
     ctx = ChatContext(
         id=completion.id, created=completion.created, model="forced", include_reasoning=shown

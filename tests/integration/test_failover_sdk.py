@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared import keys
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from shared.events import Start
 from tests.integration.worker_harness import FAST_FAILOVER, running_worker
 from tests.invariants import check_stream
@@ -45,7 +45,7 @@ async def test_stream_survives_a_worker_death(
             tail = await read_all(stream)
             whole = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
     assert head + tail == whole.choices[0].message.content
-    events = [decode_entry(f) for _, f in await redis.xrange(keys.events(rid))]
+    events = decode_entries(await redis.xrange(keys.events(rid)))
     check_stream(events)
     assert sum(isinstance(e, Start) for e in events) == 1
     assert await redis.hget(keys.request(rid), "attempts") == b"1"

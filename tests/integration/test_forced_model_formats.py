@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from services.worker.main import start_worker
 from shared import keys
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from shared.config import Settings
 from tests.integration.test_chat_forced_model import forced_backend
 from tests.invariants import check_stream
@@ -43,7 +43,7 @@ async def forced_worker(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[
 
 
 async def stored_events_ok(redis: aioredis.Redis, rid: str) -> None:
-    check_stream([decode_entry(f) for _, f in await redis.xrange(keys.events(rid))])
+    check_stream(decode_entries(await redis.xrange(keys.events(rid))))
 
 
 async def test_anthropic_thinking_then_tool_use(

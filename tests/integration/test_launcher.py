@@ -26,7 +26,7 @@ import pytest
 import redis as redis_sync
 
 from shared import keys
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from tests.invariants import check_stream
 
 pytestmark = pytest.mark.integration
@@ -150,7 +150,7 @@ def test_up_with_private_redis_serves_the_printed_curl_line(launch: list[Launche
         )
     finally:
         client.close()
-    check_stream([decode_entry(fields) for _, fields in entries])
+    check_stream(decode_entries(entries))
 
     # The private Redis dies: the launcher starts it again, the worker and the API ride it out.
     client = redis_sync.Redis(unix_socket_path=str(socket_path))

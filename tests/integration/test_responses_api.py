@@ -20,7 +20,7 @@ from openai.types.responses import Response
 
 from shared import keys
 from shared.accumulate import fold
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from shared.events import AnyEvent
 from tests.integration.worker_harness import WorkerHandle
 from tests.invariants import check_stream
@@ -61,7 +61,7 @@ def request(script: str, **extra: object) -> dict[str, object]:
 
 async def stream_events(redis: aioredis.Redis, rid: str) -> list[AnyEvent]:
     """The events the worker published for ``rid``, checked against the invariants."""
-    events = [decode_entry(fields) for _, fields in await redis.xrange(keys.events(rid))]
+    events = decode_entries(await redis.xrange(keys.events(rid)))
     check_stream(events)
     return events
 

@@ -21,7 +21,7 @@ from services.worker.loaders import load_model
 from services.worker.main import start_worker
 from services.worker.torch_backend import TorchBackend
 from shared import keys
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from shared.config import Settings
 from tests.invariants import check_stream
 from tests.worker_models import write_hf_model
@@ -52,7 +52,7 @@ async def tiny_worker(redis_url: str, redis: aioredis.Redis, tmp_path: Path) -> 
 
 
 async def stored_ok(redis: aioredis.Redis, rid: str) -> None:
-    check_stream([decode_entry(f) for _, f in await redis.xrange(keys.events(rid))])
+    check_stream(decode_entries(await redis.xrange(keys.events(rid))))
 
 
 async def test_openai_chat_and_responses_forced_calls(

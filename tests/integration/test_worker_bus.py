@@ -75,7 +75,7 @@ async def read_stream(
             for _, entries in reply:
                 for entry_id, fields in entries:
                     last = entry_id.decode()
-                    events.append(decode_entry(fields))
+                    events.extend(decode_entry(fields))
             if events and is_terminal(events[-1]):
                 return events
             if until is not None and len(events) >= until:

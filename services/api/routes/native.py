@@ -2,8 +2,9 @@
 
 ``POST /v1/requests`` takes ``GenerateRequest`` as JSON (without the fields the server assigns)
 and returns the request id. ``GET /v1/requests/{id}/events`` streams the events themselves as
-SSE: ``event: <tag>``, ``data: <event JSON>``, ``id: <Redis entry id>``; ``Last-Event-ID`` or
-``?after=`` resumes after an id. Only the key that created a request may read or cancel it.
+SSE: ``event: <tag>``, ``data: <event JSON>``, and ``id: <Redis entry id>`` on the last frame of
+each entry (one entry holds a decode step's events); ``Last-Event-ID`` or ``?after=`` resumes
+after an id. Only the key that created a request may read or cancel it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""sluice's CPU kernels (``matmul.c``, ``decode.c``): built on first use, loaded with ctypes.
+"""sluice's CPU kernels (``matmul.c``, ``q8.c``, ``attention.c``, ``forward.c``): built on first
+use, loaded with ctypes.
 
 Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
 cache directory, loading the library, and stating its ABI on the Python side. Knows nothing about
@@ -11,7 +12,7 @@ set as ctypes ``argtypes`` at load, so a wrong argument count fails loudly) and 
 ``ctypes.Structure`` mirrors of the header's structs (``MIRRORS``: the GGUF block structs and
 ``Linear``, ``Layer``, ``Model``, ``Scratch``), whose sizes are compared with the library's
 ``sl_sizeof`` at load (the C side asserts them statically). The activation kernels have typed
-methods on ``Kernels`` that take tensors; the GEMMs and the whole decode step are called directly
+methods on ``Kernels`` that take tensors; the GEMMs and the whole forward step are called directly
 as ``Kernels.lib.sl_*`` by the quantized model, which owns their buffers.
 
 The instruction set is chosen at build time from the compiler's target: ``-march=native``
@@ -66,7 +67,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "matmul.c", HERE / "q8.c", HERE / "decode.c"]
+SOURCES = [HERE / "matmul.c", HERE / "q8.c", HERE / "attention.c", HERE / "forward.c"]
 HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
 WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *WARNINGS]
@@ -83,10 +84,10 @@ SIGNATURES: dict[str, list[type]] = {
     "sl_gemm_q8_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, c_int, c_int],
     "sl_gemm_q4_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
     "sl_linear_forward": [_P, _I, _P, _P, _P, _P, c_int, c_int],
-    "sl_attention_decode": [
-        *(_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _I, c_int)
+    "sl_attention": [
+        *(_I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _I, c_int)
     ],
-    "sl_decode": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, c_int],
+    "sl_forward": [_P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, c_int],
 }
 
 

@@ -84,7 +84,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
     }
 }
 
-/* The *_body functions are the stages sl_decode runs inside its parallel region; the sl_*
+/* The *_body functions are the stages sl_forward runs inside its parallel region; the sl_*
  * wrappers open a region of their own (for prefill and the tests). */
 void quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
     const int64_t nb = K / QK;

@@ -1,5 +1,5 @@
 /* The int8-weight GEMMs: Q8_0, and Q8_M / Q8_16, which hold the 5- and 6-bit GGUF types
- * exactly (layouts: sluice_cpu.h). Row by row: one weight row against up to MT activation rows. */
+ * exactly (layouts: sluice_cpu.h). Row by row: one weight row against one activation row. */
 #include "sl_impl.h"
 
 #if SL_AVX2
@@ -27,18 +27,18 @@ static inline __m256 block_scales(const int sub16, const float *dr, int64_t b) {
     return _mm256_set_m128(_mm_set1_ps(dr[2 * b + 1]), _mm_set1_ps(dr[2 * b]));
 }
 
-/* One weight row against mt (<= MT) activation rows, without the minimums (q8_body adds them).
- * Literal mt and sub16 at every call site (DISPATCH_TILE in gemm_q8_body). */
-static inline __attribute__((always_inline)) void q8_tile(const int mt, const int sub16, int64_t nb,
-                                                          int64_t K, const int8_t *wr,
-                                                          const float *dr, const int8_t *xq,
-                                                          const float *xd, float *out) {
-    __m256 acc[MT];
-    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+/* One weight row against one activation row, without the minimums (q8_body adds them). Literal
+ * sub16 at every call site. One row, never a tile of rows: this layout is only used where N is
+ * not a multiple of eight (a rare head), and a row's sum must not depend on how many rows share
+ * the call (see forward.c), which a multi-row tile's different chains would break. */
+static inline __attribute__((always_inline)) float q8_row(const int sub16, int64_t nb,
+                                                          const int8_t *wr, const float *dr,
+                                                          const int8_t *xq, const float *xd) {
+    __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
 #if SL_AVX512_VNNI
     __m512 acc512 = _mm512_setzero_ps();
-    if (mt == 1) { /* one row (decode): two blocks per zmm register */
+    { /* two blocks per zmm register */
         /* lane l of a zmm covers values 4l..4l+3 of the pair: scale index l / 4 of the four
          * half-block scales (sub16), or l / 8 of the two block scales */
         const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int mt, const in
         }
     }
 #else
-    if (mt == 1) { /* one row (decode): two chains, so the FMA latency is not the bound */
+    { /* two chains, so the FMA latency is not the bound */
         __m256 acc2 = _mm256_setzero_ps();
         for (; b + 2 <= nb; b += 2) {
             const __m256i d0 = dot_i8(_mm256_loadu_si256((const __m256i *)(wr + b * QK)),
@@ -74,42 +74,37 @@ static inline __attribute__((always_inline)) void q8_tile(const int mt, const in
             const __m256 s0 = _mm256_mul_ps(block_scales(sub16, dr, b), _mm256_set1_ps(xd[b]));
             const __m256 s1 =
                 _mm256_mul_ps(block_scales(sub16, dr, b + 1), _mm256_set1_ps(xd[b + 1]));
-            acc[0] = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(d0), acc[0]);
+            acc = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(d0), acc);
             acc2 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(d1), acc2);
         }
-        acc[0] = _mm256_add_ps(acc[0], acc2);
+        acc = _mm256_add_ps(acc, acc2);
     }
 #endif
     for (; b < nb; b++) {
         const __m256i w = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
-        const __m256 ws = block_scales(sub16, dr, b);
-        for (int t = 0; t < mt; t++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * QK));
-            const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(xd[t * nb + b]));
-            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_i8(w, x)), acc[t]);
-        }
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256 scale = _mm256_mul_ps(block_scales(sub16, dr, b), _mm256_set1_ps(xd[b]));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_i8(w, x)), acc);
     }
-    for (int t = 0; t < mt; t++) out[t] = hsum(acc[t]);
 #if SL_AVX512_VNNI
-    if (mt == 1) out[0] += _mm512_reduce_add_ps(acc512);
+    return hsum(acc) + _mm512_reduce_add_ps(acc512);
+#else
+    return hsum(acc);
 #endif
 }
 #else
-static void q8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wr,
-                    const float *dr, const int8_t *xq, const float *xd, float *out) {
-    for (int t = 0; t < mt; t++) {
-        float sum = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            int dot[2] = {0, 0}; /* values 0..15 and 16..31 */
-            for (int j = 0; j < QK; j++) dot[j / 16] += wr[b * QK + j] * xq[t * K + b * QK + j];
-            const float xs = xd[t * nb + b];
-            if (sub16)
-                sum += dr[2 * b] * xs * (float)dot[0] + dr[2 * b + 1] * xs * (float)dot[1];
-            else
-                sum += dr[b] * xs * (float)(dot[0] + dot[1]);
-        }
-        out[t] = sum;
+static float q8_row(const int sub16, int64_t nb, const int8_t *wr, const float *dr,
+                    const int8_t *xq, const float *xd) {
+    float sum = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int dot[2] = {0, 0}; /* values 0..15 and 16..31 */
+        for (int j = 0; j < QK; j++) dot[j / 16] += wr[b * QK + j] * xq[b * QK + j];
+        if (sub16)
+            sum += dr[2 * b] * xd[b] * (float)dot[0] + dr[2 * b + 1] * xd[b] * (float)dot[1];
+        else
+            sum += dr[b] * xd[b] * (float)(dot[0] + dot[1]);
     }
+    return sum;
 }
 #endif
 
@@ -121,23 +116,16 @@ void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = wq + n * K;
         const float *dr = wd + n * per_row;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            float out[MT] = {0};
-            const int8_t *x = xq + m0 * K;
-            const float *d = xd + m0 * nb;
-            if (sub16) {
-                DISPATCH_TILE(q8_tile, mt, 1, nb, K, wr, dr, x, d, out)
-            } else {
-                DISPATCH_TILE(q8_tile, mt, 0, nb, K, wr, dr, x, d, out)
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *x = xq + m * K;
+            const float *d = xd + m * nb;
+            float out = sub16 ? q8_row(1, nb, wr, dr, x, d) : q8_row(0, nb, wr, dr, x, d);
+            if (wm) { /* sum_b wm * xd * sum(q_x) = sum_b wm * xs */
+                float s = 0.0f;
+                for (int64_t b = 0; b < nb; b++) s += wm[n * nb + b] * xs[m * nb + b];
+                out += s;
             }
-            if (wm) /* sum_b wm * xd * sum(q_x) = sum_b wm * xs */
-                for (int t = 0; t < mt; t++) {
-                    float s = 0.0f;
-                    for (int64_t b = 0; b < nb; b++) s += wm[n * nb + b] * xs[(m0 + t) * nb + b];
-                    out[t] += s;
-                }
-            for (int t = 0; t < mt; t++) store(y + (m0 + t) * N + n, out[t], bias, n, accumulate);
+            store(y + m * N + n, out, bias, n, accumulate);
         }
     }
 }

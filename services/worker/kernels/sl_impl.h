@@ -1,5 +1,5 @@
 /* sluice CPU kernels, internal: instruction-set selection, vector helpers, and the stages shared
- * between matmul.c and decode.c. Not part of the ABI (sluice_cpu.h is). */
+ * between matmul.c, q8.c, attention.c and forward.c. Not part of the ABI (sluice_cpu.h is). */
 #ifndef SL_IMPL_H
 #define SL_IMPL_H
 
@@ -88,7 +88,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 #endif
 
 /* Stages shared between the files: each holds an orphaned `omp for`, so called inside a parallel
- * region (sl_decode) it shares that region's threads and ends on its barrier. Hidden: only the
+ * region (sl_forward) it shares that region's threads and ends on its barrier. Hidden: only the
  * sl_* entry points are exported. */
 #define SL_INTERNAL __attribute__((visibility("hidden")))
 SL_INTERNAL void quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd,
@@ -108,6 +108,12 @@ SL_INTERNAL void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq,
 SL_INTERNAL void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                                 const float *xs, const int8_t *wq, const float *wd, const float *wm,
                                 int sub16, const float *bias, float *y, int accumulate);
+/* attention over the slot KV cache, decode and prefill (attention.c documents the arguments) */
+SL_INTERNAL void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                                const float *cos_table, const float *sin_table,
+                                const int64_t *starts, const int64_t *slots, float *kc, float *vc,
+                                int64_t capacity, const float *q_norm, const float *k_norm,
+                                float eps, float *out, float *scores, int64_t span);
 /* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
 SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                              const float *xs, float *y, int accumulate);
@@ -119,23 +125,30 @@ static inline void store(float *y, float v, const float *bias, int64_t n, int ac
 }
 
 /* A tile function called with a literal row count mt (1..MT): always_inline + the literal let
- * the compiler keep the accumulators in registers. */
-#define DISPATCH_TILE(fn, mt, ...)                                                                 \
-    switch (mt) {                                                                                  \
+ * the compiler keep the accumulators in registers. The cases above MT are left out, not just
+ * never taken: GCC would otherwise inline them and warn about acc[MT] indexed past its end. */
+#if MT > 4
+#define SL_TILE_CASES_5_TO_8(fn, ...)                                                              \
     case 8:                                                                                        \
-        if (MT >= 8) fn(8, __VA_ARGS__); /* (cases above MT never run: not compiled either) */     \
+        fn(8, __VA_ARGS__);                                                                        \
         break;                                                                                     \
     case 7:                                                                                        \
-        if (MT >= 7) fn(7, __VA_ARGS__);                                                           \
+        fn(7, __VA_ARGS__);                                                                        \
         break;                                                                                     \
     case 6:                                                                                        \
-        if (MT >= 6) fn(6, __VA_ARGS__);                                                           \
+        fn(6, __VA_ARGS__);                                                                        \
         break;                                                                                     \
     case 5:                                                                                        \
-        if (MT >= 5) fn(5, __VA_ARGS__);                                                           \
-        break;                                                                                     \
+        fn(5, __VA_ARGS__);                                                                        \
+        break;
+#else
+#define SL_TILE_CASES_5_TO_8(fn, ...)
+#endif
+#define DISPATCH_TILE(fn, mt, ...)                                                                 \
+    switch (mt) {                                                                                  \
+        SL_TILE_CASES_5_TO_8(fn, __VA_ARGS__)                                                      \
     case 4:                                                                                        \
-        if (MT >= 4) fn(4, __VA_ARGS__);                                                           \
+        fn(4, __VA_ARGS__);                                                                        \
         break;                                                                                     \
     case 3:                                                                                        \
         fn(3, __VA_ARGS__);                                                                        \

@@ -4,8 +4,8 @@
  * about 1,500 tiny torch ops; the ops' dispatch costs more than the arithmetic. These kernels
  * work straight from 4- and 8-bit blocks (the GGUF Q4_1 / Q8_0 formats, re-laid out) with
  * activations quantized to 8 bits per block of 32, as llama.cpp does, fuse the glue (RMSNorm +
- * quantize, SwiGLU + quantize, RoPE + KV write + attention), and run a whole decode step
- * (sl_decode) as one call with one OpenMP parallel region.
+ * quantize, SwiGLU + quantize, RoPE + KV write + attention), and run a whole forward step
+ * (sl_forward: decode or a prefill chunk) as one call with one OpenMP parallel region.
  *
  * Layouts (row-major, QK = 32 values per block, nb = K / QK blocks per row):
  *   activations  xq int8 [M, K], xd float [M, nb] (scale), xs float [M, nb] (scale * sum of q)
@@ -27,8 +27,8 @@
  * Each SIMD variant sits beside the generic code it replaces and computes the same results.
  *
  * Files: sluice_cpu.h (this: the ABI: every exported function and struct), sl_impl.h (vector
- * helpers, the stages shared between files), matmul.c (activation quantization, the GEMMs),
- * decode.c (attention, the decode step).
+ * helpers, the stages shared between files), matmul.c (activation quantization, the 4-bit
+ * GEMMs), q8.c (the int8 GEMMs), attention.c (attention), forward.c (the whole step).
  */
 #ifndef SLUICE_CPU_H
 #define SLUICE_CPU_H
@@ -125,11 +125,11 @@ typedef struct {
     sl_linear head;
 } sl_model;
 
-/* Per-step buffers, sized for B rows by the caller. */
+/* Per-step buffers, sized for B * T rows by the caller. */
 typedef struct {
     int8_t *xq; /* B x max(hidden, inner, heads * head_dim) */
     float *xd, *xs, *tmp;
-    float *qkv, *attended, *gate_up, *scores; /* scores: B * heads * span */
+    float *qkv, *attended, *gate_up, *scores; /* scores: span per thread */
 } sl_scratch;
 
 /* ---- exported functions ------------------------------------------------------------------ */
@@ -163,14 +163,16 @@ void sl_gemm_q8_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
 void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                        const float *xs, float *y, int accumulate, int nthreads);
 
-/* Decode attention (decode.c documents the arguments) and the whole decode step. */
-void sl_attention_decode(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qkv,
-                         const float *cos_table, const float *sin_table, const int64_t *pos,
-                         const int64_t *slots, float *kc, float *vc, int64_t capacity,
-                         const float *q_norm, const float *k_norm, float eps, float *out,
-                         float *scores, int64_t span, int nthreads);
-void sl_decode(const sl_model *m, int64_t B, float *x, const int64_t *pos, const int64_t *slots,
-               float *kc, float *vc, int64_t cache_slots, int64_t capacity, int64_t span,
-               const sl_scratch *w, float *logits, int nthreads);
+/* Attention over the slot KV cache for B rows of T new tokens each (attention.c documents the
+ * arguments), and a whole forward step, decode (T = 1) or prefill (forward.c). One code path for
+ * both: a token's logits do not depend on the path, the batch or the chunk that computed it. */
+void sl_attention(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                  const float *cos_table, const float *sin_table, const int64_t *starts,
+                  const int64_t *slots, float *kc, float *vc, int64_t capacity, const float *q_norm,
+                  const float *k_norm, float eps, float *out, float *scores, int64_t span,
+                  int nthreads);
+void sl_forward(const sl_model *m, int64_t B, int64_t T, float *x, const int64_t *starts,
+                const int64_t *slots, float *kc, float *vc, int64_t cache_slots, int64_t capacity,
+                int64_t span, const sl_scratch *w, float *logits, int64_t n_logits, int nthreads);
 
 #endif

@@ -1,4 +1,4 @@
-"""A Llama-family model's decode step on sluice's CPU kernels (GGUF Q4/Q5/Q6/Q8 blocks).
+"""A Llama-family model's forward on sluice's CPU kernels (GGUF Q4/Q5/Q6/Q8 blocks).
 
 Owns packing a loaded ``LlamaModel``'s linears into the kernels' block formats and
 ``QuantizedLlama``, which runs a decode step (one new token per row) as one call into
@@ -6,9 +6,11 @@ Owns packing a loaded ``LlamaModel``'s linears into the kernels' block formats a
 RMSNorm, RoPE convention, GQA, SwiGLU, KV-cache layout), with activations quantized to 8 bits per
 32 values before each matmul, so tests compare the two paths step by step.
 
-Prefill (many tokens per row) runs the same kernels for every matmul (the interleaved Q4 GEMM
-beats oneDNN's fp32 GEMM by ~1.5x at prefill sizes on AVX2) and the dense model's own
-``Attention.attend`` (torch SDPA) for attention. The dense linears are then freed.
+Prefill (many tokens per row) is the same call as decode (``sl_forward``): the same GEMMs (the
+interleaved Q4 GEMM beats oneDNN's fp32 GEMM by ~1.5x at prefill sizes on AVX2), RoPE from the
+same table and the same attention routine, each query over exactly its keys 0..pos. So greedy
+output does not depend on prefix-cache hits, prefill chunking, batch composition or a failover's
+re-prefill of generated tokens (README, Determinism). The dense linears are freed.
 
 Where each linear comes from (``Packer``): a GGUF file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K and Q6_K blocks are packed exactly (``models.blocks``: the 4-bit ones into the interleaved
@@ -237,13 +239,12 @@ class QuantizedLlama(nn.Module):
         """Pack ``model``'s linears (from ``file``'s blocks where a kernel reads them as they
         are) and free the dense ones; log once which path each tensor type took."""
         super().__init__()
-        self.model = model  # embeddings, RoPE tables and Attention.attend (linears freed below)
+        self.model = model  # embeddings and RoPE tables (its linears are freed below)
         self.config = cfg = model.config
         self.kernels = kernels
         layers = [cast(Block, b) for b in model.layers]
         packer = Packer(file)
         self.blocks = [PackedBlock.from_block(b, i, packer) for i, b in enumerate(layers)]
-        self.attention = [b.self_attn for b in layers]  # prefill reuses Attention.attend
         self.final_norm = model.norm.weight.detach().float().contiguous()
         tied = file is None or "lm_head.weight" not in file.types
         head = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
@@ -275,39 +276,22 @@ class QuantizedLlama(nn.Module):
     def forward(
         self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
     ) -> torch.Tensor:
-        """Logits (B, n_logits, V) fp32 of the last ``n_logits`` positions of each row."""
-        if batch.t == 1 and n_logits == 1:
-            return self.decode(idx, batch, cache)
-        return self.prefill(idx, batch, cache, n_logits)
-
-    def prefill(
-        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int
-    ) -> torch.Tensor:
-        """Many tokens per row: the projections and MLP on the kernels, attention in torch
-        (the dense model's own ``Attention.attend``: causal SDPA over the cache)."""
-        k, cfg = self.kernels, self.config
+        """Logits (B, n_logits, V) fp32 of the last ``n_logits`` positions of each row: decode
+        (T = 1) and prefill (T > 1) in one call to the kernels, through the same code, so a
+        token's logits do not depend on which of the two computed it (see ``sl_forward``)."""
         B, T = idx.shape
-        rows, C, eps = B * T, cfg.hidden_size, cfg.rms_norm_eps
+        rows, span = B * T, int(batch.span)
         x = self.embed(idx.reshape(rows))  # (rows, C) residual stream
-        act = Activations(rows, self.act_width)
-        qkv = torch.empty(rows, self.blocks[0].qkv.out_features)
-        gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
-        cos, sin = self.model.rope_at(batch.positions, torch.float32)  # (B, 1, T, hd)
-        for blk, attention in zip(self.blocks, self.attention, strict=True):
-            k.rmsnorm_quantize(x, blk.input_norm, eps, act)
-            blk.qkv(k, act, qkv)
-            y = attention.attend(qkv.view(B, T, -1), cos, sin, batch, cache)  # (B, T, H hd)
-            k.quantize(y.reshape(rows, -1).contiguous(), act)
-            blk.o_proj(k, act, x, accumulate=True)
-            k.rmsnorm_quantize(x, blk.post_norm, eps, act)
-            blk.gate_up(k, act, gate_up)
-            k.swiglu_quantize(gate_up, act)
-            blk.down(k, act, x, accumulate=True)
-        last = x.view(B, T, C)[:, -n_logits:].reshape(B * n_logits, C).contiguous()
-        head_in = Activations(B * n_logits, C)
-        k.rmsnorm_quantize(last, self.final_norm, eps, head_in)
         logits = torch.empty(B * n_logits, self.head.out_features)
-        self.head(k, head_in, logits)
+        starts = batch.start_index.contiguous()  # (B,) position of each row's first new token
+        slots = batch.slot_index.contiguous()
+        scratch, _buffers = self._scratch(rows, span)  # the buffers live until the call returns
+        self.kernels.lib.sl_forward(
+            ctypes.byref(self.struct), B, T, x.data_ptr(), starts.data_ptr(), slots.data_ptr(),
+            cache.k.data_ptr(), cache.v.data_ptr(), cache.slots, cache.capacity, span,
+            ctypes.byref(scratch), logits.data_ptr(), n_logits,
+            self.kernels.threads(),
+        )  # fmt: skip
         return logits.view(B, n_logits, -1)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -318,11 +302,13 @@ class QuantizedLlama(nn.Module):
         rows = QuantBlocks(table.qtype, table.data[ids], (ids.shape[0], table.shape[1]))
         return dequantize_blocks(rows).contiguous()
 
-    def _scratch(self, rows: int, span: int) -> Scratch:
-        """Buffers for ``rows`` rows attending over up to ``span`` keys (reused across steps)."""
-        cfg = self.config
+    def _scratch(self, rows: int, span: int) -> tuple[Scratch, list[torch.Tensor]]:
+        """Buffers for ``rows`` token rows attending over up to ``span`` keys: kept for decode
+        batches (at most ``max_batch`` rows, reused every step), made afresh for a prefill
+        chunk (its buffers are small beside its work, and chunk sizes vary)."""
+        cfg, threads = self.config, self.kernels.threads()
         held = self.scratch.get(rows)
-        if held is None or held[1][-1].numel() < rows * cfg.num_heads * span:
+        if held is None or held[1][-1].numel() < threads * span:
             act = Activations(rows, self.act_width)
             tensors = [
                 act.q,
@@ -332,42 +318,21 @@ class QuantizedLlama(nn.Module):
                 torch.empty(rows, self.blocks[0].qkv.out_features),
                 torch.empty(rows, cfg.num_heads * cfg.head_dim),  # attended
                 torch.empty(rows, 2 * cfg.intermediate_size),  # gate_up
-                torch.empty(rows * cfg.num_heads * max(span, 256) * 2),  # scores
+                torch.empty(threads * max(span, 256) * 2),  # scores: a softmax row per thread
             ]
             held = (Scratch(*(t.data_ptr() for t in tensors)), tensors)
-            self.scratch[rows] = held
-        return held[0]
+            if rows <= KEPT_ROWS:
+                self.scratch[rows] = held
+        return held
 
-    def decode(self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
-        """One new token per row: (B, 1) ids -> (B, 1, V) logits, in one call to the kernels."""
-        B = idx.shape[0]
-        x = self.embed(idx.view(B))  # (B, C) residual stream
-        logits = torch.empty(B, self.head.out_features)
-        positions = batch.start_index.contiguous()  # (B,) the new token's position
-        slots = batch.slot_index.contiguous()
-        span = int(batch.span)
-        self.kernels.lib.sl_decode(
-            ctypes.byref(self.struct),
-            B,
-            x.data_ptr(),
-            positions.data_ptr(),
-            slots.data_ptr(),
-            cache.k.data_ptr(),
-            cache.v.data_ptr(),
-            cache.slots,
-            cache.capacity,
-            span,
-            ctypes.byref(self._scratch(B, span)),
-            logits.data_ptr(),
-            self.kernels.threads(),
-        )
-        return logits.view(B, 1, -1)
+
+KEPT_ROWS = 64  # decode batches (and chunks this small) keep their buffers between steps
 
 
 def _release_dense(model: LlamaModel, *, embeddings: bool) -> None:
     """Free the fp32 weights the packed blocks replace (7/8 of a 4-bit model's memory), and the
     embedding table when ``embeddings`` (looked up from the file's blocks instead); the dense
-    model keeps norms, RoPE tables and ``Attention.attend``, and can no longer run its own
+    model keeps norms and RoPE tables, and can no longer run its own
     forward."""
     for layer in model.layers:
         block = cast(Block, layer)

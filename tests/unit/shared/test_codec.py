@@ -73,8 +73,28 @@ EVENTS = st.one_of(
 
 @given(EVENTS)
 def test_every_event_round_trips_through_the_envelope(event: AnyEvent) -> None:
-    assert codec.decode_entry(codec.encode_entry(event)) == event
+    assert codec.decode_entry(codec.encode_entry(event)) == [event]
     assert codec.decode_event(codec.encode_event(event)) == event
+
+
+@given(st.lists(EVENTS, min_size=1, max_size=6))
+def test_a_steps_events_round_trip_as_one_entry(events: list[AnyEvent]) -> None:
+    fields = codec.encode_entry(events)
+    assert fields[b"v"] == b"2"
+    assert codec.decode_entry(fields) == events
+
+
+def test_version_1_entries_of_older_workers_still_decode() -> None:
+    # Logs written before entries held lists live for the retention: one event per entry.
+    for event in PINNED.values():
+        assert codec.decode_entry({b"v": b"1", b"e": codec.encode_event(event)}) == [event]
+
+
+def test_an_entry_without_events_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="without events"):
+        codec.decode_entry({b"v": b"2", b"e": codec.encode_events([])})
+    with pytest.raises(ProtocolError, match="undecodable"):
+        codec.decode_entry({b"v": b"2", b"e": codec.encode_event(PINNED["usage"])})
 
 
 PINNED: dict[str, AnyEvent] = {

@@ -20,7 +20,7 @@ import fakeredis
 import pytest
 
 from shared import keys
-from shared.codec import SCHEMA_VERSION, decode_entry, encode_event
+from shared.codec import SCHEMA_VERSION, decode_entry, encode_events
 from shared.events import AnyEvent, Error, Start, TextDelta
 from shared.protocol import (
     API_TIMEOUT_OWNER,
@@ -50,10 +50,9 @@ def scripts(fake: fakeredis.FakeAsyncRedis) -> Scripts:
     return Scripts(fake)
 
 
-async def publish(scripts: Scripts, owner: str, *events: AnyEvent) -> int:
-    bodies = [encode_event(e) for e in events]
+async def publish(scripts: Scripts, owner: str, *events: AnyEvent, ttl: int = RETENTION_S) -> int:
     return await scripts.publish(
-        RID, owner, bodies, lease_ms=LEASE_MS, maxlen=1000, retention_s=RETENTION_S
+        RID, owner, encode_events(events), lease_ms=LEASE_MS, maxlen=1000, retention_s=ttl
     )
 
 
@@ -113,17 +112,27 @@ async def test_release_only_drops_our_own_lease(
 # --- publish -----------------------------------------------------------------------------------
 
 
-async def test_publish_appends_envelopes_and_sets_the_ttl(
+async def test_publish_appends_one_entry_per_step_and_sets_the_ttl(
     fake: fakeredis.FakeAsyncRedis, scripts: Scripts
 ) -> None:
     assert await scripts.acquire(RID, "w1", LEASE_MS)
     events = [start(), TextDelta(text="a", token_ids=[1])]
     assert await publish(scripts, "w1", *events) == 0
     entries = await fake.xrange(keys.events(RID))
-    assert [set(f) for _, f in entries] == [{b"v", b"e"}] * 2
+    assert [set(f) for _, f in entries] == [{b"v", b"e"}]
     assert {f[b"v"] for _, f in entries} == {str(SCHEMA_VERSION).encode()}
-    assert [decode_entry(f) for _, f in entries] == events
+    assert [decode_entry(f) for _, f in entries] == [events]
     assert 0 < await fake.ttl(keys.events(RID)) <= RETENTION_S
+
+
+async def test_publish_with_ttl_0_leaves_the_ttl(
+    fake: fakeredis.FakeAsyncRedis, scripts: Scripts
+) -> None:
+    assert await publish(scripts, "w1", start(), ttl=RETENTION_S) == 0
+    await fake.expire(keys.events(RID), 7)
+    assert await publish(scripts, "w1", TextDelta(text="a", token_ids=[1]), ttl=0) == 0
+    assert 0 < await fake.ttl(keys.events(RID)) <= 7
+    assert await fake.xlen(keys.events(RID)) == 2
 
 
 async def test_publish_returns_the_cancel_flag(
@@ -204,7 +213,7 @@ async def test_claim_lost_refuses_a_live_lease(fake: fakeredis.FakeAsyncRedis) -
 
 
 async def claim(scripts: Scripts) -> int:
-    body = encode_event(Error(kind="overloaded", message="late", retryable=True))
+    body = encode_events([Error(kind="overloaded", message="late", retryable=True)])
     return await scripts.claim_unstarted(
         RID,
         body,
@@ -221,7 +230,7 @@ async def test_claim_unstarted_ends_the_request_and_fences_workers(
     await fake.hset(keys.request(RID), "model", "m")
     assert await claim(scripts) == Claim.TIMED_OUT
     history = [decode_entry(f) for _, f in await fake.xrange(keys.events(RID))]
-    assert history == [Error(kind="overloaded", message="late", retryable=True)]
+    assert history == [[Error(kind="overloaded", message="late", retryable=True)]]
     assert await holder(fake) == API_TIMEOUT_OWNER
     assert await fake.pttl(keys.lease(RID)) > LEASE_MS  # outlives the stream's readers
     assert 0 < await fake.ttl(keys.events(RID)) <= RETENTION_S

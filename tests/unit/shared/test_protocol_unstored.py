@@ -10,7 +10,7 @@ import fakeredis
 import pytest
 
 from shared import keys
-from shared.codec import encode_event
+from shared.codec import encode_events
 from shared.events import Error, Finish, Start
 from shared.protocol import LEASE_LOST, Claim, Scripts
 
@@ -34,7 +34,7 @@ async def request_hash(fake: fakeredis.FakeAsyncRedis, store: str | None) -> Non
 
 
 async def claim(fake: fakeredis.FakeAsyncRedis) -> int:
-    body = encode_event(Error(kind="overloaded", message="late", retryable=True))
+    body = encode_events([Error(kind="overloaded", message="late", retryable=True)])
     return await Scripts(fake).claim_unstarted(
         RID,
         body,
@@ -49,12 +49,13 @@ async def test_publish_expires_the_extra_keys_with_the_stream(
     fake: fakeredis.FakeAsyncRedis,
 ) -> None:
     await request_hash(fake, "0")
-    bodies = [encode_event(Start(request_id=RID, model="m", prompt_tokens=1))]
-    bodies.append(encode_event(Finish(reason="end_turn")))
+    body = encode_events(
+        [Start(request_id=RID, model="m", prompt_tokens=1), Finish(reason="end_turn")]
+    )
     await Scripts(fake).publish(
         RID,
         "w1",
-        bodies,
+        body,
         lease_ms=LEASE_MS,
         maxlen=1000,
         retention_s=UNSTORED_S,
@@ -71,7 +72,7 @@ async def test_a_fenced_publish_expires_nothing(fake: fakeredis.FakeAsyncRedis) 
     result = await Scripts(fake).publish(
         RID,
         "w1",
-        [encode_event(Finish(reason="end_turn"))],
+        encode_events([Finish(reason="end_turn")]),
         lease_ms=LEASE_MS,
         maxlen=1000,
         retention_s=UNSTORED_S,

@@ -93,10 +93,10 @@ def test_attention_decode_matches_torch(k: Kernels, qwen3: bool, hd: int) -> Non
     out = torch.full((b, H * hd), float("nan"))
     pos_t, slots_t = torch.tensor(pos), torch.tensor(slots)
     span = max(pos) + 1
-    scores = torch.full((b * H * span,), float("nan"))  # the kernel's softmax scratch
+    scores = torch.full((k.threads() * span,), float("nan"))  # the softmax scratch, per thread
     rows = qkv.clone()  # the kernel rotates q and k in place
-    k.lib.sl_attention_decode(
-        b, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_t.data_ptr(),
+    k.lib.sl_attention(
+        b, 1, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_t.data_ptr(),
         slots_t.data_ptr(), kc.data_ptr(), vc.data_ptr(), capacity,
         0 if q_norm is None else q_norm.weight.data_ptr(),
         0 if k_norm is None else k_norm.weight.data_ptr(), eps, out.data_ptr(),
@@ -111,3 +111,42 @@ def test_attention_decode_matches_torch(k: Kernels, qwen3: bool, hd: int) -> Non
     assert torch.equal(vc[written], vc_ref[written])
     assert torch.equal(kc[~written], kc_ref[~written])
     assert torch.equal(vc[~written].nan_to_num(7.0), vc_ref[~written].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("hd", [16, 64])
+def test_attention_prefill_equals_decode_bit_for_bit(k: Kernels, hd: int) -> None:
+    """T tokens in one call write the same keys and values and attend to the same bits as T
+    one-token calls: prefill, prefix reuse and decode cannot tell a token apart."""
+    g = _gen(300 + hd)
+    cos, sin = _rope_tables(hd)
+    starts, slots, T, capacity = [3, 0], [1, 0], 9, 24
+    qkv = torch.randn(len(starts) * T, (H + 2 * KV) * hd, generator=g)
+    kc0 = torch.randn(2, KV, capacity, hd, generator=g)  # positions before each start: cached
+    vc0 = torch.randn(2, KV, capacity, hd, generator=g)
+    span = max(starts) + T
+    scores = torch.empty(k.threads() * span)
+
+    def attend(
+        first: list[int], where: list[int], t: int, rows: torch.Tensor, kc: torch.Tensor,
+        vc: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rows of t tokens from positions ``first`` in slots ``where``."""
+        out = torch.empty(rows.shape[0], H * hd)
+        starts_t, slots_t = torch.tensor(first), torch.tensor(where)
+        k.lib.sl_attention(
+            len(first), t, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            starts_t.data_ptr(), slots_t.data_ptr(), kc.data_ptr(), vc.data_ptr(), capacity,
+            0, 0, 1e-6, out.data_ptr(), scores.data_ptr(), span, k.threads(),
+        )  # fmt: skip
+        return out
+
+    kc, vc = kc0.clone(), vc0.clone()
+    whole = attend(starts, slots, T, qkv.clone(), kc, vc)
+    kc1, vc1 = kc0.clone(), vc0.clone()
+    steps = []
+    for b, start in enumerate(starts):
+        for t in range(T):
+            row = qkv[b * T + t : b * T + t + 1].clone()
+            steps.append(attend([start + t], [slots[b]], 1, row, kc1, vc1))
+    assert torch.equal(whole, torch.cat(steps))
+    assert torch.equal(kc, kc1) and torch.equal(vc, vc1)

@@ -23,19 +23,21 @@ def settings(**kw: object) -> Settings:
 
 
 async def stream(redis: aioredis.Redis, rid: str = RID) -> list[AnyEvent]:
-    return [decode_entry(f) for _, f in await redis.xrange(keys.events(rid))]
+    return [e for _, f in await redis.xrange(keys.events(rid)) for e in decode_entry(f)]
 
 
 def start() -> Start:
     return Start(request_id=RID, model="m", prompt_tokens=3)
 
 
-async def test_batch_is_one_envelope_per_event_with_ttl(redis: aioredis.Redis) -> None:
+async def test_a_steps_batch_is_one_entry_with_ttl(redis: aioredis.Redis) -> None:
     pub = Publisher(redis, RID, "w1", settings(retention_s=120))
     assert await pub.acquire()
     assert await pub.publish([start(), TextDelta(text="a", token_ids=[1])]) is Outcome.OK
+    assert await pub.publish([]) is Outcome.OK  # an empty step writes nothing
     entries = await redis.xrange(keys.events(RID))
-    assert [set(f) for _, f in entries] == [{b"v", b"e"}] * 2
+    assert [set(f) for _, f in entries] == [{b"v", b"e"}]
+    assert decode_entry(entries[0][1]) == [start(), TextDelta(text="a", token_ids=[1])]
     assert entries[0][1][b"v"] == str(SCHEMA_VERSION).encode()
     assert 0 < await redis.ttl(keys.events(RID)) <= 120
     assert await redis.get(keys.lease(RID)) == b"w1"
@@ -104,8 +106,8 @@ async def test_maxlen_caps_the_stream(redis: aioredis.Redis) -> None:
     pub = Publisher(redis, RID, "w1", settings(stream_maxlen=10))
     assert await pub.acquire()
     await pub.publish([start()])
-    for i in range(60):
-        await pub.publish([TextDelta(text=str(i), token_ids=[i])] * 10)
+    for i in range(600):
+        await pub.publish([TextDelta(text=str(i), token_ids=[i])])
     # "MAXLEN ~" trims whole radix-tree nodes (100 entries by default), never below the cap.
     assert 10 <= await redis.xlen(keys.events(RID)) <= 200
 
@@ -145,3 +147,15 @@ async def test_a_fenced_unstored_terminal_shortens_nothing(redis: aioredis.Redis
     assert await pub.publish([start(), Finish(reason="end_turn")]) is Outcome.LEASE_LOST
     assert await redis.ttl(keys.request(RID)) > 30
     assert await redis.exists(keys.events(RID)) == 0
+
+
+async def test_the_ttl_is_set_first_and_last_not_on_every_step(redis: aioredis.Redis) -> None:
+    pub = Publisher(redis, RID, "w1", settings(retention_s=1000))
+    assert await pub.acquire()
+    await pub.publish([start()])
+    assert 990 < await redis.ttl(keys.events(RID)) <= 1000
+    await redis.expire(keys.events(RID), 500)  # as if time had passed
+    await pub.publish([TextDelta(text="a", token_ids=[1])])
+    assert 490 < await redis.ttl(keys.events(RID)) <= 500  # a step within a minute: left alone
+    await pub.publish([Usage(input_tokens=3, output_tokens=1), Finish(reason="end_turn")])
+    assert 990 < await redis.ttl(keys.events(RID)) <= 1000  # the terminal write sets it

@@ -77,7 +77,13 @@ class Projector:
 
     State: whether ``message_start`` went out, the next block index, the open block's kind
     (and tool-call index), and the last ``Usage``.
+
+    ``coalesce``: a reader's backlog of deltas may be folded into fewer ``content_block_delta``
+    frames (``services.api.coalesce``): deltas carry their block index, not a position, so a
+    joined one is a longer ``text``/``thinking``/``partial_json``; resuming is by entry id.
     """
+
+    coalesce = True
 
     def __init__(self, ctx: Context) -> None:
         """Start a projection.

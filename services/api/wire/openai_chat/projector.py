@@ -63,7 +63,13 @@ class Projector:
     State: whether the role was sent (it rides on the first real delta only, so a client's
     time-to-first-token means a token), whether any tool call was sent (finish mapping), the
     pending ``Usage`` (sent after the finish chunk) and whether ``[DONE]`` went out.
+
+    ``coalesce``: a reader's backlog of deltas may be folded into fewer chunks
+    (``services.api.coalesce``): chunks carry no position of their own, so a joined delta is
+    just a longer ``content``, and resuming is by entry id.
     """
+
+    coalesce = True
 
     def __init__(self, ctx: Context) -> None:
         """Start a projection for the request described by ``ctx``."""

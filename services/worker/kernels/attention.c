@@ -1,7 +1,16 @@
-/* Decode attention and the whole decode step (layouts: sluice_cpu.h). */
+/* Attention over the slot KV cache (layouts: sluice_cpu.h), for decode (one new token per row)
+ * and prefill (T new tokens per row) alike: both run this one body, so a token's key, value and
+ * attention output are the same bits whichever path computed it (a prompt token prefilled, a
+ * generated token decoded, a prefix reused from the cache or recomputed, the chunk size). That
+ * holds because every query attends with the same routine over exactly the keys 0..pos, in the
+ * same order, and nothing in a row's arithmetic depends on the batch, T or the thread count. */
 #include "sl_impl.h"
 
-/* ---- decode attention: one new token per row ---------------------------------------------- */
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_thread_num(void) { return 0; }
+#endif
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
@@ -105,81 +114,51 @@ static void attend(const float *q, const float *keys, const float *vals, int64_t
     }
 }
 
-/* qkv: [B, (H + 2 KV) * hd] straight from the fused projection (rotated in place).
- * For row b the new token sits at position pos[b] of cache slot slots[b]; it is written there,
- * then attends to positions 0..pos[b]. out: [B, H * hd].
- * scores: B * H * span floats, span > max pos. */
-static void attention_decode_body(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qkv,
-                                  const float *cos_table, const float *sin_table,
-                                  const int64_t *pos, const int64_t *slots, float *kc, float *vc,
-                                  int64_t capacity, const float *q_norm, const float *k_norm,
-                                  float eps, float *out, float *scores, int64_t span) {
-    const int64_t width = (H + 2 * KV) * hd, G = H / KV;
+/* qkv: [B * T, (H + 2 KV) * hd] straight from the fused projection (rotated in place): row
+ * b * T + t is the token at position starts[b] + t of cache slot slots[b]. Every token's key and
+ * value are written there first, then each query attends to positions 0..its own (causal).
+ * out: [B * T, H * hd]. scores: span floats per thread, span > the largest position. */
+void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                    const float *cos_table, const float *sin_table, const int64_t *starts,
+                    const int64_t *slots, float *kc, float *vc, int64_t capacity,
+                    const float *q_norm, const float *k_norm, float eps, float *out, float *scores,
+                    int64_t span) {
+    const int64_t width = (H + 2 * KV) * hd, G = H / KV, tasks = B * T * KV;
     const int64_t head_stride = capacity * hd, slot_stride = KV * head_stride;
     const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < B * KV; task++) {
-        const int64_t b = task / KV, k = task % KV;
-        float *row = qkv + b * width;
-        const float *c = cos_table + pos[b] * hd, *s = sin_table + pos[b] * hd;
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t r = task / KV, k = task % KV, b = r / T, pos = starts[b] + r % T;
+        float *row = qkv + r * width;
+        const float *c = cos_table + pos * hd, *s = sin_table + pos * hd;
         for (int64_t g = 0; g < G; g++) norm_rope(row + (k * G + g) * hd, hd, q_norm, eps, c, s);
         float *key = row + (H + k) * hd, *val = row + (H + KV + k) * hd;
         norm_rope(key, hd, k_norm, eps, c, s);
-        const int64_t at = slots[b] * slot_stride + k * head_stride + pos[b] * hd;
+        const int64_t at = slots[b] * slot_stride + k * head_stride + pos * hd;
         memcpy(kc + at, key, (size_t)hd * sizeof(float));
         memcpy(vc + at, val, (size_t)hd * sizeof(float));
     }
     /* the barrier above: every key is in the cache before anyone attends */
+    float *p = scores + (int64_t)omp_get_thread_num() * span;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KV; task++) {
-        const int64_t b = task / KV, k = task % KV;
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t r = task / KV, k = task % KV, b = r / T, pos = starts[b] + r % T;
         const float *keys = kc + slots[b] * slot_stride + k * head_stride;
         const float *vals = vc + slots[b] * slot_stride + k * head_stride;
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = k * G + g;
-            attend(qkv + b * width + h * hd, keys, vals, pos[b] + 1, hd, scale,
-                   scores + (b * H + h) * span, out + b * H * hd + h * hd);
+            attend(qkv + r * width + h * hd, keys, vals, pos + 1, hd, scale, p,
+                   out + r * H * hd + h * hd);
         }
     }
 }
 
-void sl_attention_decode(int64_t B, int64_t H, int64_t KV, int64_t hd, float *qkv,
-                         const float *cos_table, const float *sin_table, const int64_t *pos,
-                         const int64_t *slots, float *kc, float *vc, int64_t capacity,
-                         const float *q_norm, const float *k_norm, float eps, float *out,
-                         float *scores, int64_t span, int nthreads) {
+void sl_attention(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                  const float *cos_table, const float *sin_table, const int64_t *starts,
+                  const int64_t *slots, float *kc, float *vc, int64_t capacity, const float *q_norm,
+                  const float *k_norm, float eps, float *out, float *scores, int64_t span,
+                  int nthreads) {
 #pragma omp parallel num_threads(nthreads)
-    attention_decode_body(B, H, KV, hd, qkv, cos_table, sin_table, pos, slots, kc, vc, capacity,
-                          q_norm, k_norm, eps, out, scores, span);
-}
-
-/* ---- a whole decode step ------------------------------------------------------------------ */
-
-/* x: [B, hidden] embeddings in, final hidden state out; logits: [B, vocab]. One parallel region
- * for the whole step: the threads meet at barriers between stages instead of being started and
- * joined ~270 times. */
-void sl_decode(const sl_model *m, int64_t B, float *x, const int64_t *pos, const int64_t *slots,
-               float *kc, float *vc, int64_t cache_slots, int64_t capacity, int64_t span,
-               const sl_scratch *w, float *logits, int nthreads) {
-    const int64_t C = m->hidden, H = m->heads, KV = m->kv_heads, hd = m->head_dim;
-    const int64_t layer_elems = cache_slots * KV * capacity * hd;
-#pragma omp parallel num_threads(nthreads)
-    {
-        for (int64_t i = 0; i < m->layers; i++) {
-            const sl_layer *L = m->layer + i;
-            rmsnorm_quantize_body(x, L->input_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
-            linear_body(&L->qkv, B, w->xq, w->xd, w->xs, w->qkv, 0);
-            attention_decode_body(B, H, KV, hd, w->qkv, m->cos, m->sin, pos, slots,
-                                  kc + i * layer_elems, vc + i * layer_elems, capacity, L->q_norm,
-                                  L->k_norm, m->eps, w->attended, w->scores, span);
-            quantize_body(w->attended, B, H * hd, w->xq, w->xd, w->xs);
-            linear_body(&L->o, B, w->xq, w->xd, w->xs, x, 1);
-            rmsnorm_quantize_body(x, L->post_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
-            linear_body(&L->gate_up, B, w->xq, w->xd, w->xs, w->gate_up, 0);
-            swiglu_quantize_body(w->gate_up, B, m->inner, w->xq, w->xd, w->xs, w->tmp);
-            linear_body(&L->down, B, w->xq, w->xd, w->xs, x, 1);
-        }
-        rmsnorm_quantize_body(x, m->final_norm, m->eps, B, C, w->xq, w->xd, w->xs, w->tmp);
-        linear_body(&m->head, B, w->xq, w->xd, w->xs, logits, 0);
-    }
+    attention_body(B, T, H, KV, hd, qkv, cos_table, sin_table, starts, slots, kc, vc, capacity,
+                   q_norm, k_norm, eps, out, scores, span);
 }

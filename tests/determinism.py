@@ -1,0 +1,110 @@
+"""Greedy output invariance checks shared by the tiny-model and the default-model tests.
+
+One request's greedy tokens and log-probabilities (the logits' own bits, through
+``log_softmax``) are collected from the real ``TorchBackend`` (scheduler thread, prefix cache,
+chunked prefill, continuous batching) under each condition that must not change them: alone, with
+3 and 50 prompt tokens served from the prefix cache, decoded in a batch of 16 beside other
+requests, prefilled in chunks of 1, 7 and the whole prompt, and continued from the middle as a
+failover does (prompt + the tokens already generated prefilled on a fresh cache, then decoded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from services.worker import scheduler
+from services.worker.torch_backend import TorchBackend
+from shared.events import AnyEvent
+from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
+from tests.invariants import check_stream, generated_token_ids
+
+__all__ = ["Greedy", "check_invariance", "greedy"]
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """A run's generated tokens and, per token, its log-probability and the top alternatives."""
+
+    tokens: list[int]
+    logprobs: list[tuple[float, tuple[float, ...]]]
+
+
+def _job(ids: list[int], max_tokens: int, rid: str) -> Job:
+    request = GenerateRequest(
+        request_id=rid,
+        model="m",
+        messages=[Message(role="user", content=[TextPart(text="-")])],
+        sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
+        max_tokens=max_tokens,
+        ignore_eos=True,
+    )
+    return Job.of(request, prompt_token_ids=ids, prompt_text="")
+
+
+async def greedy(
+    b: TorchBackend,
+    ids: list[int],
+    max_tokens: int,
+    resume: list[int] | None = None,
+    rid: str = "r",
+) -> Greedy:
+    """Run one greedy request (``resume``: continue after those tokens, as a failover does)."""
+    events: list[AnyEvent] = []
+    async for batch in b.generate(_job(ids, max_tokens, rid), resume or [], 1 + bool(resume)):
+        events.extend(batch)
+    check_stream(events)
+    probs = [
+        (lp.logprob, tuple(t.logprob for t in lp.top))
+        for e in events
+        for lp in (getattr(e, "logprobs", None) or [])
+    ]
+    return Greedy(generated_token_ids(events), probs)
+
+
+def _forget(b: TorchBackend) -> None:
+    """Empty the prefix cache: the next request prefills its whole prompt."""
+    b.scheduler.cache.tokens = [[] for _ in range(b.max_batch)]
+
+
+async def check_invariance(
+    b: TorchBackend, ids: list[int], vocab: int, max_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Assert every condition gives the same tokens and log-probabilities as the run alone.
+
+    ``b`` needs 16 slots; ``ids`` at least 54 prompt tokens (50 reused and a few more)."""
+    assert b.max_batch >= 16 and len(ids) > 53
+    _forget(b)
+    alone = await greedy(b, ids, max_tokens)
+    assert len(alone.tokens) == max_tokens and alone.logprobs  # (markers carry no logprobs)
+
+    for reused in (3, 50):  # a finished request left exactly `reused` tokens to share
+        _forget(b)
+        other = [*ids[:reused], (ids[reused] + 1) % vocab]
+        await greedy(b, other, 1, rid="prefix")
+        got = await greedy(b, ids, max_tokens)
+        assert got == alone, f"{reused} prompt tokens from the prefix cache changed the output"
+
+    _forget(b)  # a batch of 16: 15 other prompts of other lengths decode beside this one
+    others = [[(t * (i + 3) + i) % vocab for t in ids[: 20 + 3 * i]] for i in range(15)]
+    runs = await asyncio.gather(
+        *(greedy(b, o, 2 * max_tokens + 16, rid=f"o{i}") for i, o in enumerate(others)),
+        greedy(b, ids, max_tokens, rid="mine"),
+    )
+    assert runs[-1] == alone, "decoding in a batch of 16 changed the output"
+
+    for chunk in (1, 7):  # whole: the runs above (the prompt is shorter than PREFILL_CHUNK)
+        _forget(b)
+        with monkeypatch.context() as patch:
+            patch.setattr(scheduler, "PREFILL_CHUNK", chunk)
+            got = await greedy(b, ids, max_tokens)
+        assert got == alone, f"prefill in chunks of {chunk} changed the output"
+
+    for k in (1, max_tokens // 2):  # failover: prompt + k generated tokens prefilled afresh
+        _forget(b)
+        got = await greedy(b, ids, max_tokens, resume=alone.tokens[:k])
+        assert got.tokens == alone.tokens[k:], f"a continuation after {k} tokens diverged"
+        tail = len(alone.logprobs) - len(got.logprobs)  # (reasoning tokens carry none)
+        assert tail >= 0 and got.logprobs == alone.logprobs[tail:]
