@@ -211,9 +211,13 @@ def measure(
     for i, c in enumerate(args.concurrency):
         before = httpx.get(metrics_url).text if metrics_url else ""
         row: dict[str, Any] = {"server": name, "file": Path(args.current).name}
-        with load_probe(pids, row):
-            rounds = args.rounds or max(2, -(-4 // c))  # C=1: 4 requests, else 2 rounds
-            row |= asyncio.run(level(base, model, c, rounds, args.tokens, 1000 * (i + 1)))
+        try:
+            with load_probe(pids, row):
+                rounds = args.rounds or max(2, -(-4 // c))  # C=1: 4 requests, else 2 rounds
+                row |= asyncio.run(level(base, model, c, rounds, args.tokens, 1000 * (i + 1)))
+        except httpx.HTTPError as exc:  # a server that dropped a stream: record it, go on
+            emit({**row, "concurrency": c, "error": repr(exc)})
+            continue
         if metrics_url and c == 1:  # our prefill, as the worker measured it
             after = httpx.get(metrics_url).text
             d = {k: metric(after, k) - metric(before, k) for k in (
@@ -236,9 +240,10 @@ def run_llama(args: argparse.Namespace, gguf: Path) -> list[dict[str, Any]]:
         base = f"http://127.0.0.1:{port}"
         wait_until(f"{base}/health", lambda r: r.status_code == 200, 300, proc)
         rows = measure(args, "llama-server", base, "any", [proc.pid], None)
-        rows[-1]["peak_rss_bytes"] = vm_hwm(proc.pid)
-        emit({"server": "llama-server", "peak_rss_bytes": rows[-1]["peak_rss_bytes"]})
-        return rows
+        peak = {"server": "llama-server", "file": gguf.name, "concurrency": 0}
+        peak["peak_rss_bytes"] = vm_hwm(proc.pid)
+        emit(peak)
+        return [*rows, peak]
     finally:
         stop(proc)
 
@@ -269,9 +274,10 @@ def run_sluice(args: argparse.Namespace, gguf: Path) -> list[dict[str, Any]]:
         rows = measure(
             args, "sluice", base, model, [proc.pid, *kids], f"http://127.0.0.1:{mport}/metrics"
         )
-        rows[-1]["peak_rss_bytes"] = vm_hwm(worker)
-        emit({"server": "sluice", "peak_rss_bytes": rows[-1]["peak_rss_bytes"]})
-        return rows
+        peak = {"server": "sluice", "file": gguf.name, "concurrency": 0}
+        peak["peak_rss_bytes"] = vm_hwm(worker)
+        emit(peak)
+        return [*rows, peak]
     finally:
         stop(proc)
 
@@ -305,7 +311,7 @@ def summarize(rows: list[dict[str, Any]]) -> None:
     print("\n| file | C | out tok/s: ours vs llama (ratio) | TTFT p50 ms: ours vs llama | load |")
     print("|---|---|---|---|---|")
     for f in files:
-        for c in sorted({r["concurrency"] for r in rows if r["file"] == f}):
+        for c in sorted({r["concurrency"] for r in rows if r["file"] == f} - {0}):
             o, ll = by.get((f, "sluice", c), {}), by.get((f, "llama-server", c), {})
             rate = _pair(o.get("out_tok_s", 0), ll.get("out_tok_s", 0), ".1f")
             ttft = _pair(o.get("ttft_p50_ms", 0), ll.get("ttft_p50_ms", 0), ".0f")
