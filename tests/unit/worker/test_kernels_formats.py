@@ -210,6 +210,26 @@ def test_gemm_on_grid_equals_float_math(k: Kernels, qtype: Q, m: int) -> None:
     _assert_matmul(y, a, w, bias + start)
 
 
+@pytest.mark.parametrize("m", [1, 4, 6])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, Q.Q8_0])
+def test_gemm_largest_values_do_not_saturate(k: Kernels, qtype: Q, m: int) -> None:
+    """Every weight at its grid's top (15, 31, 127) against activations all 127 or all -127: the
+    int16 partial sums of the AVX2 tiles sit closest to their limit (30480, 31496, 32258)."""
+    n, kk = 16, 256
+    blocks = _random_blocks(qtype, n, kk, seed=7)
+    raw = blocks.data.view(n, kk // QK, -1)
+    halves = ALL_HALVES[qtype]
+    values_at = max(halves) + 2  # the bytes after the halves: bits and nibbles, or int8 values
+    raw[..., values_at:] = 0xFF if qtype != Q.Q8_0 else 127  # Q5_1: fifth bits all set too
+    w = dequantize_blocks(blocks)
+    a = _activations(m, kk, seed=9)
+    a.q.copy_(torch.where(torch.arange(m)[:, None] % 2 == 0, 127, -127).expand(m, kk))
+    a.s.copy_(a.d * a.q.float().view(m, kk // QK, QK).sum(-1))
+    y = torch.full((m, n), float("nan"))
+    PackedLinear(blocks, None)(k, a, y)
+    _assert_matmul(y, a, w, torch.zeros(m, n))
+
+
 @pytest.mark.parametrize("m", [1, 3, 5])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K])
 def test_int8_formats_row_by_row_and_interleaved(k: Kernels, qtype: Q, m: int) -> None:
