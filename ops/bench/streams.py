@@ -64,8 +64,13 @@ CLUSTER_PORTS = tuple(range(17100, 17106))
 _JSON = msgspec.json.Decoder()
 
 
+SCHEMA = [2]  # the entry format written (--schema): 1 for an API tree that predates v2
+
+
 def _entry(event: AnyEvent) -> dict[Any, Any]:
     """Stream entry fields (typed loosely: redis-py's xadd wants an invariant dict type)."""
+    if SCHEMA[0] == 1:
+        return {b"v": b"1", b"e": encode_event(event)}
     return dict(encode_entry(event))
 
 
@@ -289,7 +294,7 @@ async def run_level(
     }
 
 
-async def probe(nodes: Nodes, port: int, count: int, schema: int) -> list[float]:
+async def probe(nodes: Nodes, port: int, count: int) -> list[float]:
     """Idle path: single XADDs 10 ms apart, XADD wall time → bytes read from the API socket
     (on a cluster each XADD is followed by its doorbell, as the PUBLISH script rings it)."""
     redis = nodes.redis
@@ -302,7 +307,7 @@ async def probe(nodes: Nodes, port: int, count: int, schema: int) -> list[float]
     primary = nodes.primary(key)
 
     async def append(event: AnyEvent) -> None:
-        fields = _entry(event) if schema == 2 else {b"v": b"1", b"e": encode_event(event)}
+        fields = _entry(event)
         if primary is None:
             await redis.xadd(key, fields)
             return
@@ -335,6 +340,7 @@ def start_cluster(tmp: Path) -> LocalCluster:
 
 
 async def main(args: argparse.Namespace) -> None:
+    SCHEMA[0] = args.schema
     tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     redis_proc, cluster = None, None
     queue_url = args.queue_url
@@ -364,7 +370,7 @@ async def main(args: argparse.Namespace) -> None:
         where = f"{len(nodes.servers)}-node cluster" if nodes.cluster else "one Redis"
         tree = args.api_tree or "this tree"
         print(f"events on {where}; API from {tree}; entries schema v{args.schema}")
-        idle = await probe(nodes, port, args.probe, args.schema)
+        idle = await probe(nodes, port, args.probe)
         print(
             f"idle XADD → socket: median {statistics.median(idle):.2f} ms, "
             f"p90 {pct(idle, 0.9):.2f} ms, p99 {pct(idle, 0.99):.2f} ms ({len(idle)} events)\n"
