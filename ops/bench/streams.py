@@ -4,6 +4,16 @@ Usage (from the repository root, with the project's venv)::
 
     .venv/bin/python ops/bench/streams.py                          # private redis-server
     .venv/bin/python ops/bench/streams.py --levels 250,500,1000,1500 --seconds 8
+    .venv/bin/python ops/bench/streams.py --cluster                # private 3x2 Redis Cluster
+    .venv/bin/python ops/bench/streams.py --api-tree /tmp/old --schema 1   # an older API tree
+
+With ``--cluster`` the events live on a private Redis Cluster (3 primaries, 3 replicas, ports
+17100-17105; the test fixture uses 17000-) and arq's queue on a private single redis-server, as a
+deployment runs them; the API's hub is then ``ClusterStreamHub`` (doorbells + per-node reads from
+the replicas), and the publisher writes one pipeline per primary in which every XADD is followed
+by the doorbell the PUBLISH script rings (``SPUBLISH <stream> <entry id>``). Entries are schema
+v2 (``e`` = a msgpack array of one step's events) unless ``--schema 1`` (for an API tree older
+than v2, which refuses v2 entries).
 
 It starts one real ``sluice api`` process (uvloop + httptools, as ``run_api`` serves it) and, per
 level N, one publisher process that plays a batching worker as cheaply as possible: every 50 ms
@@ -18,8 +28,10 @@ under 50 ms and every published event arrived; the run stops at the first failin
 ``--keep-going``.
 
 So that the reader can see who the limit is, each level reports the CPU used by the API, the
-clients, the publisher and Redis (percent of one core), the API's CPU microseconds per delivered
-event, and how much of the wall time the API was runnable but waiting for a CPU (Linux
+clients, the publisher and Redis (percent of one core; on a cluster all six nodes, and the
+busiest one), the API's CPU microseconds per delivered event, the Redis commands processed per
+published event (all nodes: writes, doorbells and the hub's reads), the 1-minute load average,
+and how much of the wall time the API was runnable but waiting for a CPU (Linux
 schedstat): when that is large, the machine, not the API process, is the bottleneck.
 
 A separate probe measures the idle-path latency: one stream, single XADDs 10 ms apart, time
@@ -44,22 +56,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
-import redis
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from stream_load import open_client, publisher
+from stream_nodes import Nodes, start_cluster
 
 from services import redis_conn
 from shared import keys
 from shared.codec import encode_entry, encode_event, encode_job
 from shared.events import AnyEvent, Finish, Start, TextDelta, Usage
 from shared.jobs import Job
-from tests.cluster.nodes import LocalCluster
-
-CLUSTER_PORTS = tuple(range(17100, 17106))
 
 _JSON = msgspec.json.Decoder()
 
@@ -123,59 +131,6 @@ def start_api(
         env["PYTHONPATH"] = str(tree)
     cmd = [sys.executable, "-m", "services.cli", "api"]
     return subprocess.Popen(cmd, env=env, cwd=tree)
-
-
-class Nodes:
-    """The Redis servers behind the events URL (one, or every cluster node), for CPU and
-    command counts, and the publisher's routes (per primary, the requests it serves)."""
-
-    def __init__(self, redis: aioredis.Redis, events_url: str) -> None:
-        self.redis = redis
-        self.cluster = redis_conn.is_cluster(redis)
-        self.servers: list[aioredis.Redis] = [redis]
-        self.url = events_url
-
-    async def discover(self) -> None:
-        if not self.cluster:
-            return
-        cluster = cast(RedisCluster, self.redis)
-        await cluster.initialize()
-        self.servers = [aioredis.Redis(host=n.host, port=n.port) for n in cluster.get_nodes()]
-
-    def primary(self, key: str) -> aioredis.Redis | None:
-        """A plain client to the primary serving ``key`` (None on one Redis)."""
-        if not self.cluster:
-            return None
-        node = cast(RedisCluster, self.redis).get_node_from_key(key)
-        for server in self.servers:
-            kwargs = server.connection_pool.connection_kwargs
-            if (kwargs["host"], int(kwargs["port"])) == (node.host, int(node.port)):
-                return server
-        raise LookupError(key)
-
-    def routes(self, rids: list[str]) -> list[tuple[str, int, list[str]]] | None:
-        if not self.cluster:
-            return None
-        cluster = cast(RedisCluster, self.redis)
-        by_node: dict[tuple[str, int], list[str]] = {}
-        for rid in rids:
-            node = cluster.get_node_from_key(keys.events(rid))
-            by_node.setdefault((node.host, int(node.port)), []).append(rid)
-        return [(host, port, node_rids) for (host, port), node_rids in by_node.items()]
-
-    async def counters(self) -> tuple[list[float], int]:
-        """CPU seconds per server (user + system) and commands processed, all servers."""
-        cpus, commands = [], 0
-        for server in self.servers:
-            info = await server.info()
-            cpus.append(float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
-            commands += int(info["total_commands_processed"])
-        return cpus, commands
-
-    async def close(self) -> None:
-        for server in self.servers:
-            if server is not self.redis:
-                await server.aclose()
 
 
 def free_port() -> int:
@@ -322,21 +277,6 @@ async def probe(nodes: Nodes, port: int, count: int) -> list[float]:
     await client.done
     await redis.delete(keys.events(rid), keys.request(rid), keys.cancel(rid))
     return delays
-
-
-def start_cluster(tmp: Path) -> LocalCluster:
-    """A private 3-primary, 3-replica cluster on ``CLUSTER_PORTS`` (the tests use 17000-)."""
-    cluster = LocalCluster(tmp / "cluster", CLUSTER_PORTS)
-    cluster.start()
-    # the API's hub reads from replicas: start it once every slot range lists one, as in a
-    # deployment (a client that learns the map earlier reads the primaries)
-    node = redis.Redis(port=CLUSTER_PORTS[0])
-    for _ in range(300):
-        if all(len(r) >= 4 for r in node.execute_command("CLUSTER SLOTS")):
-            break
-        time.sleep(0.1)
-    node.close()
-    return cluster
 
 
 async def main(args: argparse.Namespace) -> None:
