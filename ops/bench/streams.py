@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -281,6 +282,11 @@ async def probe(nodes: Nodes, port: int, count: int) -> list[float]:
 
 async def main(args: argparse.Namespace) -> None:
     SCHEMA[0] = args.schema
+    # The clients' receive times are the measurement: a full collection over this process's
+    # imports would stall them all at once, like the API's (services/api/main.py), and be
+    # counted as the API's delay.
+    gc.collect()
+    gc.freeze()
     tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     redis_proc, cluster = None, None
     queue_url = args.queue_url
