@@ -87,7 +87,6 @@ async def test_three_formats_resume_and_replay(cluster_stack: Callable[..., Stac
         # Replay the same request in another format (native events) from the start.
         async with client.stream("GET", f"{s.base}/v1/requests/{rid}/events") as r:
             native = await _sse(r)
-        # An entry holds a step's events (schema v2): its id rides on the entry's last frame
-        # (Start + first text, or Usage + Finish, share one), so the stream ends on an id.
+        # One entry per decode step: its last frame carries the entry id (the log's last too).
         assert native and native[-1][0], native[-3:]
         assert set(ids) <= {i for i, _, _ in native}  # the same log, the same entry ids
