@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from services.worker.main import start_worker
 from services.worker.torch_backend import TorchBackend
 from shared import keys
-from shared.codec import decode_entry
+from shared.codec import decode_entries
 from shared.config import Settings
 from tests.determinism import check_invariance
 from tests.integration.worker_harness import TEST_DEFAULTS
@@ -93,5 +93,5 @@ async def test_failover_continues_exactly_where_the_killed_worker_stopped(
             await b.stop(0.5)
     assert head and tail
     assert head + tail == whole.choices[0].message.content
-    events = [decode_entry(f) for _, f in await redis.xrange(keys.events(rid))]
+    events = decode_entries(await redis.xrange(keys.events(rid)))
     check_stream(events)
