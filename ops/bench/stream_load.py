@@ -17,8 +17,8 @@ from urllib.parse import parse_qs, urlsplit
 import msgspec
 
 from shared import keys
-from shared.codec import encode_event
-from shared.events import Finish, TextDelta, Usage
+from shared.codec import encode_event, encode_events
+from shared.events import AnyEvent, Finish, TextDelta, Usage
 
 __all__ = ["SSEClient", "open_client", "publisher"]
 
@@ -77,40 +77,89 @@ def _read_replies(sock: socket.socket, n: int) -> None:
             seen += 1
 
 
+def _node_socket(host: str, port: int) -> socket.socket:
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _bulk(part: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(part), part)
+
+
 def publisher(
-    redis_url: str, rids: list[str], seconds: float, go: Any, cpu_out: Any, events_out: Any
+    redis_url: str,
+    rids: list[str],
+    seconds: float,
+    go: Any,
+    cpu_out: Any,
+    events_out: Any,
+    schema: int = 2,
+    routes: list[tuple[str, int, list[str]]] | None = None,
 ) -> None:
     """Process body playing a batching worker as cheaply as possible: every tick, one write of
-    pipelined raw-protocol XADDs (one per stream, the same encoded body for all), then Usage +
-    Finish. Reports its own CPU seconds through ``cpu_out``."""
-    sock = _connect_redis(redis_url)
-    heads = [
-        b"*7\r\n$4\r\nXADD\r\n$%d\r\n%s\r\n$1\r\n*\r\n$1\r\nv\r\n$1\r\n1\r\n$1\r\ne\r\n"
-        % (len(k), k)
-        for k in (keys.events(rid).encode() for rid in rids)
-    ]
+    pipelined raw-protocol XADDs (one per stream, the same encoded body for all), then the
+    closing entry (``Usage`` + ``Finish``). Reports its own CPU seconds through ``cpu_out``.
+
+    ``schema`` 2 writes what workers write now (``e`` = a msgpack array of the step's events);
+    1 the older one-event entries (for an API tree that predates schema 2). With ``routes``
+    (a Redis Cluster: per primary ``(host, port, request ids)``), each primary gets its own
+    pipeline, and every XADD is followed by the doorbell the PUBLISH script rings there
+    (``SPUBLISH <stream key> <entry id>``, ``shared.protocol.DOORBELL``): the ids are explicit
+    (``<ms>-0``, rising each tick) so that the ring can name the entry in the same pipeline.
+    """
+    cluster = routes is not None
+    if routes is None:
+        routes = [("", 0, rids)]
+    socks = [_connect_redis(redis_url) if not cluster else _node_socket(h, p) for h, p, _ in routes]
+    version = _bulk(str(schema).encode())
+    stream_keys = [[keys.events(rid).encode() for rid in node_rids] for _, _, node_rids in routes]
+
+    def body(events: list[AnyEvent]) -> list[bytes]:
+        if schema == 1:
+            return [encode_event(event) for event in events]
+        return [encode_events(events)]
+
+    def write(bodies: list[bytes], last_ms: int) -> int:
+        """One pipeline per node of an XADD per stream per body (and its ring); returns the
+        last explicit id's ms."""
+        ids = []
+        for _ in bodies:
+            last_ms = max(last_ms + 1, time.time_ns() // 1_000_000)
+            ids.append(b"%d-0" % last_ms if cluster else b"*")
+        tails = [version + b"$1\r\ne\r\n" + _bulk(b) for b in bodies]
+        replies = []
+        for sock, node_keys in zip(socks, stream_keys, strict=True):
+            out = []
+            for key in node_keys:
+                k = _bulk(key)
+                for entry_id, tail in zip(ids, tails, strict=True):
+                    out.append(b"*7\r\n$4\r\nXADD\r\n" + k + _bulk(entry_id) + b"$1\r\nv\r\n")
+                    out.append(tail)
+                    if cluster:
+                        out.append(b"*3\r\n$8\r\nSPUBLISH\r\n" + k + _bulk(entry_id))
+            sock.sendall(b"".join(out))
+            replies.append(len(node_keys) * len(ids) * (2 if cluster else 1))
+        for sock, n in zip(socks, replies, strict=True):
+            _read_replies(sock, n)
+        return last_ms
+
     go.wait()
     cpu0 = time.process_time()
     end = time.monotonic() + seconds
     next_tick = time.monotonic()
     count = 0
+    last_ms = 0
     while time.monotonic() < end:
-        body = encode_event(TextDelta(text=str(time.time_ns()), token_ids=[1]))
-        tail = b"$%d\r\n%s\r\n" % (len(body), body)
-        sock.sendall(b"".join([head + tail for head in heads]))
-        _read_replies(sock, len(heads))
+        last_ms = write(body([TextDelta(text=str(time.time_ns()), token_ids=[1])]), last_ms)
         count += 1
         next_tick += TICK_S
         time.sleep(max(0.0, next_tick - time.monotonic()))
-    closing = [
-        encode_event(Usage(input_tokens=1, output_tokens=count)),
-        encode_event(Finish(reason="end_turn")),
-    ]
-    sock.sendall(b"".join(head + b"$%d\r\n%s\r\n" % (len(b), b) for head in heads for b in closing))
-    _read_replies(sock, 2 * len(heads))
+    write(body([Usage(input_tokens=1, output_tokens=count), Finish(reason="end_turn")]), last_ms)
     cpu_out.value = time.process_time() - cpu0
-    events_out.value = count * len(heads)
-    sock.close()
+    events_out.value = count * len(rids)
+    for sock in socks:
+        sock.close()
 
 
 class _Ev(msgspec.Struct):

@@ -4,6 +4,16 @@ Usage (from the repository root, with the project's venv)::
 
     .venv/bin/python ops/bench/streams.py                          # private redis-server
     .venv/bin/python ops/bench/streams.py --levels 250,500,1000,1500 --seconds 8
+    .venv/bin/python ops/bench/streams.py --cluster                # private 3x2 Redis Cluster
+    .venv/bin/python ops/bench/streams.py --api-tree /tmp/old --schema 1   # an older API tree
+
+With ``--cluster`` the events live on a private Redis Cluster (3 primaries, 3 replicas, ports
+17100-17105; the test fixture uses 17000-) and arq's queue on a private single redis-server, as a
+deployment runs them; the API's hub is then ``ClusterStreamHub`` (doorbells + per-node reads from
+the replicas), and the publisher writes one pipeline per primary in which every XADD is followed
+by the doorbell the PUBLISH script rings (``SPUBLISH <stream> <entry id>``). Entries are schema
+v2 (``e`` = a msgpack array of one step's events) unless ``--schema 1`` (for an API tree older
+than v2, which refuses v2 entries).
 
 It starts one real ``sluice api`` process (uvloop + httptools, as ``run_api`` serves it) and, per
 level N, one publisher process that plays a batching worker as cheaply as possible: every 50 ms
@@ -18,8 +28,10 @@ under 50 ms and every published event arrived; the run stops at the first failin
 ``--keep-going``.
 
 So that the reader can see who the limit is, each level reports the CPU used by the API, the
-clients, the publisher and Redis (percent of one core), the API's CPU microseconds per delivered
-event, and how much of the wall time the API was runnable but waiting for a CPU (Linux
+clients, the publisher and Redis (percent of one core; on a cluster all six nodes, and the
+busiest one), the API's CPU microseconds per delivered event, the Redis commands processed per
+published event (all nodes: writes, doorbells and the hub's reads), the 1-minute load average,
+and how much of the wall time the API was runnable but waiting for a CPU (Linux
 schedstat): when that is large, the machine, not the API process, is the bottleneck.
 
 A separate probe measures the idle-path latency: one stream, single XADDs 10 ms apart, time
@@ -33,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -49,17 +62,24 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 from stream_load import open_client, publisher
+from stream_nodes import Nodes, start_cluster
 
+from services import redis_conn
 from shared import keys
-from shared.codec import encode_entry, encode_job
+from shared.codec import encode_entry, encode_event, encode_job
 from shared.events import AnyEvent, Finish, Start, TextDelta, Usage
 from shared.jobs import Job
 
 _JSON = msgspec.json.Decoder()
 
 
+SCHEMA = [2]  # the entry format written (--schema): 1 for an API tree that predates v2
+
+
 def _entry(event: AnyEvent) -> dict[Any, Any]:
     """Stream entry fields (typed loosely: redis-py's xadd wants an invariant dict type)."""
+    if SCHEMA[0] == 1:
+        return {b"v": b"1", b"e": encode_event(event)}
     return dict(encode_entry(event))
 
 
@@ -94,16 +114,24 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"unix://{sock}"
 
 
-def start_api(redis_url: str, port: int) -> subprocess.Popen[bytes]:
-    """``sluice api`` as its own process (uvicorn, uvloop/httptools when installed)."""
+def start_api(
+    events_url: str, queue_url: str, port: int, tree: Path | None
+) -> subprocess.Popen[bytes]:
+    """``sluice api`` as its own process (uvicorn, uvloop/httptools when installed); ``tree`` is
+    another checkout to run the API from (an older commit, for a before/after figure)."""
     env = {
         **os.environ,
-        "SLUICE_REDIS_URL": redis_url,
+        "SLUICE_REDIS_URL": queue_url,
+        "SLUICE_EVENTS_URL": events_url,
+        "SLUICE_QUEUE_URL": queue_url,
         "SLUICE_PORT": str(port),
         "SLUICE_LOG_LEVEL": "warning",
         "SLUICE_KEEPALIVE_S": "15",
     }
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "api"], env=env)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    cmd = [sys.executable, "-m", "services.cli", "api"]
+    return subprocess.Popen(cmd, env=env, cwd=tree)
 
 
 def free_port() -> int:
@@ -150,41 +178,50 @@ def run_queue_seconds(pid: int) -> float:
     return total / 1e9
 
 
-async def redis_cpu(redis: aioredis.Redis) -> float:
-    """CPU seconds the Redis server has used (user + system)."""
-    info = await redis.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def run_level(
-    redis: aioredis.Redis, redis_url: str, port: int, api_pid: int, n: int, seconds: float
+    nodes: Nodes, port: int, api_pid: int, n: int, seconds: float, schema: int
 ) -> dict[str, float]:
+    redis = nodes.redis
     rids = await create_requests(redis, f"n{n}", n)
     delays: list[float] = []
     gaps: list[float] = []
     go = mp.Event()
     pub_cpu, pub_events = mp.Value("d", 0.0), mp.Value("q", 0)
-    proc = mp.Process(target=publisher, args=(redis_url, rids, seconds, go, pub_cpu, pub_events))
+    args = (nodes.url, rids, seconds, go, pub_cpu, pub_events, schema, nodes.routes(rids))
+    proc = mp.Process(target=publisher, args=args)
     proc.start()
     clients = []
     for rid in rids:  # connect in sequence: a burst of SYNs overflows the listen backlog
         clients.append(await open_client(port, rid, delays, gaps))
     await asyncio.wait_for(asyncio.gather(*(c.ready for c in clients)), timeout=60)
-    delays.clear()  # the Start events, read before the clock starts
+    await asyncio.sleep(0.5)  # the Start events: read (and the doorbells subscribed) first
+    delays.clear()
+    gaps.clear()
     go.set()
     t0, cpu0, wait0 = time.monotonic(), cpu_seconds(api_pid), run_queue_seconds(api_pid)
-    own0, redis0 = time.process_time(), await redis_cpu(redis)
-    await asyncio.wait_for(asyncio.gather(*(c.done for c in clients)), timeout=seconds + 60)
+    own0, (redis0, commands0) = time.process_time(), await nodes.counters()
+    load0 = os.getloadavg()[0]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(c.done for c in clients)), timeout=seconds + 20)
+    except TimeoutError:
+        stuck = [c.events for c in clients if not c.done.done()]
+        print(
+            f"{len(stuck)} of {n} streams did not finish: {stuck[:5]} events read; publisher "
+            f"alive {proc.is_alive()} {pub_events.value}",
+            file=sys.stderr,
+        )
+        raise
     elapsed = time.monotonic() - t0
     api_cpu = cpu_seconds(api_pid) - cpu0
     api_wait = run_queue_seconds(api_pid) - wait0
     own = time.process_time() - own0
-    rcpu = await redis_cpu(redis) - redis0
+    redis1, commands1 = await nodes.counters()
+    rcpu = [b - a for a, b in zip(redis0, redis1, strict=True)]
     await asyncio.to_thread(proc.join)
     async with redis.pipeline(transaction=False) as pipe:
         for rid in rids:
@@ -197,85 +234,128 @@ async def run_level(
         "us_per_event": api_cpu / max(1, len(delays)) * 1e6,
         "clients_cpu": own / elapsed * 100,
         "publisher_cpu": pub_cpu.value / elapsed * 100,
-        "redis_cpu": rcpu / elapsed * 100,
+        "redis_cpu": sum(rcpu) / elapsed * 100,
+        "redis_max": max(rcpu) / elapsed * 100,
+        "commands_per_event": (commands1 - commands0) / max(1, pub_events.value),
+        "load": max(load0, os.getloadavg()[0]),
         "events": len(delays),
         "published": pub_events.value,
         "rate": len(delays) / elapsed,
         "p50": pct(delays, 0.5),
         "p90": pct(delays, 0.9),
         "p99": pct(delays, 0.99),
+        "gap50": pct(gaps, 0.5),
         "gap99": pct(gaps, 0.99),
         "max": max(delays, default=float("nan")),
     }
 
 
-async def probe(redis: aioredis.Redis, port: int, count: int) -> list[float]:
-    """Idle path: single XADDs 10 ms apart, XADD wall time → bytes read from the API socket."""
+async def probe(nodes: Nodes, port: int, count: int) -> list[float]:
+    """Idle path: single XADDs 10 ms apart, XADD wall time → bytes read from the API socket
+    (on a cluster each XADD is followed by its doorbell, as the PUBLISH script rings it)."""
+    redis = nodes.redis
     (rid,) = await create_requests(redis, "probe", 1)
     delays: list[float] = []
     client = await open_client(port, rid, delays, [])
     await client.ready
+
+    key = keys.events(rid)
+    primary = nodes.primary(key)
+
+    async def append(event: AnyEvent) -> None:
+        fields = _entry(event)
+        if primary is None:
+            await redis.xadd(key, fields)
+            return
+        entry_id = await primary.xadd(key, fields)  # then the ring, as the script does
+        await primary.execute_command("SPUBLISH", key, entry_id)
+
     for _ in range(count):
         await asyncio.sleep(0.01)
-        stamp = time.time_ns()
-        await redis.xadd(keys.events(rid), _entry(TextDelta(text=str(stamp), token_ids=[1])))
-    await redis.xadd(keys.events(rid), _entry(Usage(input_tokens=1, output_tokens=count)))
-    await redis.xadd(keys.events(rid), _entry(Finish(reason="end_turn")))
+        await append(TextDelta(text=str(time.time_ns()), token_ids=[1]))
+    await append(Usage(input_tokens=1, output_tokens=count))
+    await append(Finish(reason="end_turn"))
     await client.done
     await redis.delete(keys.events(rid), keys.request(rid), keys.cancel(rid))
     return delays
 
 
 async def main(args: argparse.Namespace) -> None:
+    SCHEMA[0] = args.schema
+    # The clients' receive times are the measurement: a full collection over this process's
+    # imports would stall them all at once, like the API's (services/api/main.py), and be
+    # counted as the API's delay.
+    gc.collect()
+    gc.freeze()
     tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
-    redis_proc = None
-    if args.redis_url:
-        redis_url = args.redis_url
+    redis_proc, cluster = None, None
+    queue_url = args.queue_url
+    if not queue_url and (args.cluster or not args.redis_url):
+        redis_proc, queue_url = start_redis(tmp)  # the events too, without a URL or --cluster
+    if args.cluster:
+        cluster = start_cluster(tmp)
+        events_url = cluster.url
     else:
-        redis_proc, redis_url = start_redis(tmp)
+        events_url = args.redis_url or queue_url
+    if redis_conn.is_cluster_url(events_url) and not queue_url:
+        sys.exit("streams.py: a cluster events URL needs --queue-url (arq's single Redis)")
+    queue_url = queue_url or events_url
     port = args.api_port or free_port()
-    api = start_api(redis_url, port) if not args.api_port else None
+    api = None if args.api_port else start_api(events_url, queue_url, port, args.api_tree)
     api_pid = api.pid if api is not None else args.api_pid
-    redis = aioredis.Redis.from_url(redis_url)
+    nodes = Nodes(redis_conn.client(events_url), events_url)
     try:
+        await nodes.discover()
         for _ in range(300):
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
                 break
             except OSError:
                 await asyncio.sleep(0.05)
-        idle = await probe(redis, port, args.probe)
+        await asyncio.sleep(1.0)  # the API's lifespan (hub, cards) after the socket opens
+        where = f"{len(nodes.servers)}-node cluster" if nodes.cluster else "one Redis"
+        tree = args.api_tree or "this tree"
+        print(f"events on {where}; API from {tree}; entries schema v{args.schema}")
+        idle = await probe(nodes, port, args.probe)
         print(
             f"idle XADD → socket: median {statistics.median(idle):.2f} ms, "
             f"p90 {pct(idle, 0.9):.2f} ms, p99 {pct(idle, 0.99):.2f} ms ({len(idle)} events)\n"
         )
         print(
             "| streams | events/s | API µs CPU/event | CPU % API / clients / publisher / Redis "
-            "| API waiting for a CPU % "
-            "| latency p50 / p90 / p99 / max ms | added inter-event delay p99 ms | < 50 ms |"
+            "(busiest node) | API waiting for a CPU % | Redis commands/event | load "
+            "| latency p50 / p90 / p99 / max ms | added delay p50 / p99 ms | < 50 ms |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for n in args.levels:
-            r = await run_level(redis, redis_url, port, api_pid, n, args.seconds)
+            r = await run_level(nodes, port, api_pid, n, args.seconds, args.schema)
             ok = r["gap99"] < 50 and r["events"] >= r["published"]
             print(
                 f"| {n} | {r['rate']:.0f} | {r['us_per_event']:.0f} | {r['cpu']:.0f} / "
                 f"{r['clients_cpu']:.0f} / {r['publisher_cpu']:.0f} / {r['redis_cpu']:.0f} "
-                f"| {r['api_wait']:.0f} "
+                f"({r['redis_max']:.0f}) | {r['api_wait']:.0f} | {r['commands_per_event']:.2f} "
+                f"| {r['load']:.1f} "
                 f"| {r['p50']:.1f} / {r['p90']:.1f} / {r['p99']:.1f} / {r['max']:.1f} "
-                f"| {r['gap99']:.1f} | {'yes' if ok else 'no'} |",
+                f"| {r['gap50']:.1f} / {r['gap99']:.1f} | {'yes' if ok else 'no'} |",
                 flush=True,
             )
             if not ok and not args.keep_going:
                 break
     finally:
-        await redis.aclose()
+        await nodes.close()
+        await nodes.redis.aclose()
         if api is not None:
             api.send_signal(signal.SIGTERM)
-            api.wait(timeout=10)
+            try:
+                api.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                api.kill()
+                api.wait()
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
+        if cluster is not None:
+            cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -300,6 +380,18 @@ if __name__ == "__main__":
     )
     parser.add_argument("--api-pid", type=int, default=0, help="its pid, for the CPU column")
     parser.add_argument("--keep-going", action="store_true", help="run every level")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="events on a private 3x2 Redis Cluster on ports 17100-17105",
+    )
+    parser.add_argument("--queue-url", default="", help="arq's Redis (default: a private one)")
+    parser.add_argument(
+        "--schema", type=int, choices=(1, 2), default=2, help="entry format the publisher writes"
+    )
+    parser.add_argument(
+        "--api-tree", type=Path, default=None, help="run the API from this checkout instead"
+    )
     parser.add_argument("--probe", type=int, default=300, help="events in the idle latency probe")
     try:  # the clients' own loop overhead is measured too: keep it as small as the API's
         import uvloop

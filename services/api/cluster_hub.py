@@ -206,7 +206,12 @@ class ClusterStreamHub(StreamHub):
         for key in [k for k in self._where if k not in self._subs]:
             self._seen.pop(key, None)
             await self._where.pop(key).unsubscribe(key)
-        for key, subs in self._subs.items():
+        # A snapshot: the awaits below (a new node's reader, SSUBSCRIBE) let clients subscribe
+        # meanwhile, and iterating the live map would die mid-pass (and with it the hub task);
+        # a stream that joins now is taken on the next pass, which its wake() asks for.
+        for key, subs in list(self._subs.items()):
+            if key not in self._subs:
+                continue  # unsubscribed during an await of this pass
             host, port = self._reader_for(key)
             name = f"{host}:{port}"
             reader: _NodeReader | None = self._where.get(key)
@@ -305,8 +310,11 @@ class ClusterStreamHub(StreamHub):
             try:
                 await self._sync()
                 again = await self._read_dirty()
-            except (RedisError, OSError, _Topology) as exc:
-                logger.warning("cluster hub: %s; resynchronising in %.2fs", exc, backoff)
+            except Exception as exc:  # boundary: if this task died, every stream would hang
+                if isinstance(exc, RedisError | OSError | _Topology):
+                    logger.warning("cluster hub: %s; resynchronising in %.2fs", exc, backoff)
+                else:
+                    logger.exception("cluster hub failed; resynchronising in %.2fs", backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 with contextlib.suppress(RedisError, OSError):

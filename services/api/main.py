@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 
 import uvicorn
@@ -45,5 +46,13 @@ def run_api(settings: Settings) -> int:
         http="httptools" if _has("httptools") else "h11",
     )
     server = uvicorn.Server(config)
+    # Everything imported and built so far lives as long as the process: move it out of the
+    # collector's sight. A full collection traverses the whole tracked heap (~67,000 objects
+    # after startup, ~55 ms on the 2-vCPU dev VM) and stalls every stream at once, the whole
+    # 50 ms p99 added-delay budget; per-event allocations trigger one now and then. Frozen, a
+    # full pass sees only what the streams allocated since.
+    # https://docs.python.org/3/library/gc.html#gc.freeze
+    gc.collect()
+    gc.freeze()
     server.run()
     return 0 if server.started else 1

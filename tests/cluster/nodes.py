@@ -28,11 +28,13 @@ NODE_TIMEOUT_MS = 1000
 class LocalCluster:
     """Six redis-server processes forming one cluster; the test owns them."""
 
-    def __init__(self, directory: Path) -> None:
-        """Configure (does not start) the nodes under ``directory``."""
+    def __init__(self, directory: Path, ports: tuple[int, ...] = PORTS) -> None:
+        """Configure (does not start) the nodes under ``directory``, on ``ports`` (a multiple
+        of two: half primaries, half replicas; ``ops/bench/streams.py`` uses its own range)."""
         self.directory = directory
+        self.ports = ports
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.url = f"redis+cluster://127.0.0.1:{PORTS[0]}"
+        self.url = f"redis+cluster://127.0.0.1:{ports[0]}"
 
     def _spawn(self, port: int) -> None:
         node_dir = self.directory / str(port)
@@ -45,7 +47,7 @@ class LocalCluster:
             "--appendonly", "no", "--save", "", "--dir", str(node_dir),
             "--logfile", str(node_dir / "redis.log"),
         ]  # fmt: skip
-        self.procs[port] = subprocess.Popen(cmd)
+        self.procs[port] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -57,10 +59,10 @@ class LocalCluster:
 
     def start(self) -> None:
         """Start the six nodes and form the cluster."""
-        for port in PORTS:
+        for port in self.ports:
             self._spawn(port)
         create = [shutil.which("redis-cli") or "redis-cli", "--cluster", "create"]
-        create += [f"127.0.0.1:{p}" for p in PORTS]
+        create += [f"127.0.0.1:{p}" for p in self.ports]
         create += ["--cluster-replicas", "1", "--cluster-yes"]
         subprocess.run(create, check=True, capture_output=True, timeout=60)
         self.wait_ok()
