@@ -35,7 +35,10 @@ async def readyz(request: Request) -> JSONResponse:
     state = get_state(request)
     try:
         info = await state.redis.info("server")
-        started_ms = (time.time() - int(info["uptime_in_seconds"])) * 1000
+        # Redis reports whole seconds (its start time floored, its clock cached), so the start
+        # is somewhere in [now - uptime - 1, now - uptime + 1): count only heartbeats after the
+        # latest it can be. A live worker's next beat counts within a second of a restart.
+        started_ms = (time.time() - int(info["uptime_in_seconds"]) + 1) * 1000
         live = await state.cards.live_models(fresh=True, not_before_ms=started_ms)
     except Exception as exc:  # boundary: a probe reports failure, it does not raise
         return JSONResponse(
