@@ -58,3 +58,13 @@ async def read_chat(
                 hook()
     got.ended_at = time.monotonic()
     return got
+
+
+def chat_body(model: str, max_tokens: int, stream: bool = True) -> dict[str, object]:
+    """A one-word chat request for ``model`` (the scripted doubles answer it with known text)."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }

@@ -15,21 +15,17 @@ import pytest
 
 from tests.chaos.conftest import LONG_MODEL, Stack
 from tests.chaos.procs import wait_http
-from tests.chaos.sse_reader import read_chat
+from tests.chaos.sse_reader import chat_body, read_chat
 
 pytestmark = pytest.mark.integration
 
-# The lease TTL (1.5 s) plus the stream watch's margin (1 s) plus slack for a loaded CI box.
-NO_HANG_S = 1.5 + 1.0 + 6.0
-
 
 def _body(max_tokens: int = 120, stream: bool = True) -> dict[str, object]:
-    return {
-        "model": LONG_MODEL,
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
+    return chat_body(LONG_MODEL, max_tokens, stream)
+
+
+# The lease TTL (1.5 s) plus the stream watch's margin (1 s) plus slack for a loaded CI box.
+NO_HANG_S = 1.5 + 1.0 + 6.0
 
 
 async def test_worker_and_api_ride_out_a_redis_restart_without_data(

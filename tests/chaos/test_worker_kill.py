@@ -12,20 +12,16 @@ import pytest
 
 from tests.chaos.conftest import LONG_MODEL, Stack
 from tests.chaos.procs import wait_http
-from tests.chaos.sse_reader import read_chat
+from tests.chaos.sse_reader import chat_body, read_chat
 
 pytestmark = pytest.mark.integration
 
-IN_FLIGHT = 16
-
 
 def _body(max_tokens: int, stream: bool = True) -> dict[str, object]:
-    return {
-        "model": LONG_MODEL,
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
+    return chat_body(LONG_MODEL, max_tokens, stream)
+
+
+IN_FLIGHT = 16
 
 
 async def test_kill_9_with_a_full_batch(stack: Callable[..., Stack]) -> None:

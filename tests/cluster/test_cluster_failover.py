@@ -11,19 +11,14 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.chaos.sse_reader import read_chat
+from tests.chaos.sse_reader import chat_body, read_chat
 from tests.cluster.conftest import MODEL, Stack
 
 pytestmark = pytest.mark.integration
 
 
 def _chat(max_tokens: int, stream: bool = True) -> dict[str, object]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
+    return chat_body(MODEL, max_tokens, stream)
 
 
 def _native(max_tokens: int) -> dict[str, object]:

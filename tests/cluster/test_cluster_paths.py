@@ -8,18 +8,14 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from tests.chaos.sse_reader import chat_body
 from tests.cluster.conftest import MODEL, Stack
 
 pytestmark = pytest.mark.integration
 
 
 def _chat(max_tokens: int, stream: bool = True) -> dict[str, object]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
+    return chat_body(MODEL, max_tokens, stream)
 
 
 async def _sse(reply: httpx.Response) -> list[tuple[str | None, str, str]]:
