@@ -1,8 +1,11 @@
-"""The Redis side of ``streams.py``: a private local cluster, and the servers behind an events URL
-(CPU and command counters of every node, the publisher's per-primary routes)."""
+"""The Redis side of ``streams.py``: a private Redis or local cluster, and the servers behind an
+events URL (CPU and command counters of every node, the publisher's per-primary routes)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import cast
@@ -15,7 +18,7 @@ from services import redis_conn
 from shared import keys
 from tests.cluster.nodes import LocalCluster
 
-__all__ = ["CLUSTER_PORTS", "Nodes", "start_cluster"]
+__all__ = ["CLUSTER_PORTS", "Nodes", "start_cluster", "start_redis"]
 
 CLUSTER_PORTS = tuple(range(17100, 17106))  # the tests' fixture uses 17000-17005
 
@@ -86,3 +89,34 @@ def start_cluster(tmp: Path) -> LocalCluster:
         time.sleep(0.1)
     node.close()
     return cluster
+
+
+def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A private redis-server on a unix socket (no persistence)."""
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        sys.exit("streams.py: no redis-server on PATH; pass --redis-url")
+    sock = tmp / "redis.sock"
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--unixsocketperm",
+            "700",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxclients",
+            "20000",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    for _ in range(200):
+        if sock.exists():
+            break
+        time.sleep(0.01)
+    return proc, f"unix://{sock}"

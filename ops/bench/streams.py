@@ -62,7 +62,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 from stream_load import open_client, publisher
-from stream_nodes import Nodes, start_cluster
+from stream_nodes import Nodes, start_cluster, start_redis
 
 from services import redis_conn
 from shared import keys
@@ -81,37 +81,6 @@ def _entry(event: AnyEvent) -> dict[Any, Any]:
     if SCHEMA[0] == 1:
         return {b"v": b"1", b"e": encode_event(event)}
     return dict(encode_entry(event))
-
-
-def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A private redis-server on a unix socket (no persistence)."""
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        sys.exit("streams.py: no redis-server on PATH; pass --redis-url")
-    sock = tmp / "redis.sock"
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            "0",
-            "--unixsocket",
-            str(sock),
-            "--unixsocketperm",
-            "700",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--maxclients",
-            "20000",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    for _ in range(200):
-        if sock.exists():
-            break
-        time.sleep(0.01)
-    return proc, f"unix://{sock}"
 
 
 def start_api(
