@@ -30,6 +30,7 @@ from services.api.error_handlers import install_error_handlers
 from services.api.hub import StreamHub
 from services.api.metrics import ApiMetrics
 from services.api.routes import chat, health, messages, models, native, responses
+from services.api.sse_asgi import SERVER_SEND
 from services.api.start_timeout import sweep_loop
 from services.api.state import AppState, load_reasoning_key
 from services.redis_conn import queue_client_url
@@ -70,6 +71,19 @@ class _BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class _App(FastAPI):
+    """The app, handing the server's own ``send`` down in the scope (``sse_asgi.SERVER_SEND``).
+
+    An SSE stream sends its body chunks straight to it, past the ``send`` wrappers of the
+    middleware stack, which still see each response's start and end (``sse_asgi``).
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -129,7 +143,7 @@ def create_app(settings: Settings) -> FastAPI:
             if not shared:
                 await queue_pool.aclose()
 
-    app = FastAPI(
+    app = _App(
         title="sluice",
         lifespan=lifespan,
         docs_url=None,

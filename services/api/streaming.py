@@ -30,13 +30,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
 
 from services.api import access
 from services.api.coalesce import Item, entry_items, fold_deltas
 from services.api.metrics import format_of
+from services.api.sse_asgi import Ending, SSEResponse
 from services.api.start_timeout import claim_unstarted, start_deadline
 from services.api.state import AppState
 from services.api.stream_ids import parse_id
@@ -194,7 +193,7 @@ async def _frames(
     projector: Projector,
     after: str,
     keepalive: sse.Frame | None,
-    ending: _Ending,
+    ending: Ending,
 ) -> AsyncGenerator[bytes, None]:
     ping = sse.encode(keepalive) if keepalive is not None else sse.comment()
     finished = False
@@ -251,44 +250,6 @@ async def _frames(
         ending.finished = finished
 
 
-class _Ending:
-    """Whether a stream's body reached its end; written by the body, read by its response."""
-
-    finished = False
-
-
-class _SSEResponse(StreamingResponse):
-    """A streaming response that cancels its request when it ends before the stream did.
-
-    Armed here, around the whole response, rather than in the body's ``finally``: a client
-    that drops right after (or before) the headers can be gone before the body generator ever
-    runs, and a generator that never ran has no ``finally`` to run.
-    """
-
-    def __init__(
-        self,
-        body: AsyncGenerator[bytes, None],
-        ending: _Ending,
-        on_abandon: Callable[[], None] | None,
-        headers: dict[str, str],
-    ) -> None:
-        """Wrap ``body``; ``on_abandon`` runs if it did not finish (None: an observer)."""
-        super().__init__(body, headers=headers, media_type=sse.MEDIA_TYPE)
-        self._body = body
-        self._ending = ending
-        self._on_abandon = on_abandon
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Send the response; whatever happens, cancel the request if the stream did not end."""
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with contextlib.suppress(Exception):
-                await self._body.aclose()  # unsubscribe now, not when collected
-            if not self._ending.finished and self._on_abandon is not None:
-                self._on_abandon()
-
-
 def sse_response(
     state: AppState,
     request: Request,
@@ -299,13 +260,13 @@ def sse_response(
     keepalive: sse.Frame | None = None,
     headers: dict[str, str] | None = None,
     cancel_on_disconnect: bool = True,
-) -> StreamingResponse:
+) -> SSEResponse:
     """Stream a request's events to the client through ``projector`` as SSE.
 
     Args:
         state: the app state.
         request: the HTTP request (its path names the wire format in the metrics; disconnects
-            are seen by Starlette, which cancels the body iterator).
+            are seen by ``SSEResponse``, which cancels the body).
         rid: the request id.
         projector: the wire format's projector.
         after: resume after this entry id (``Last-Event-ID``); ``0-0`` streams everything.
@@ -318,12 +279,12 @@ def sse_response(
         The streaming response.
     """
     _count_reads(state, request, resumed=after != "0-0")
-    ending = _Ending()
+    ending = Ending()
 
     def abandon() -> None:  # client gone before the end
         _spawn(state, _cancel_unless_resumed(state, rid))
 
-    return _SSEResponse(
+    return SSEResponse(
         _frames(state, rid, projector, after, keepalive, ending),
         ending,
         abandon if cancel_on_disconnect else None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from services.api.auth import authenticate
 from services.api.ownership import REQUESTS, load_owned
@@ -118,7 +118,7 @@ def _resume_id(request: Request) -> str:
 
 
 @router.get("/v1/requests/{rid}/events")
-async def stream_events(rid: str, request: Request) -> StreamingResponse:
+async def stream_events(rid: str, request: Request) -> Response:
     """Stream the request's events as SSE from the start, or after ``Last-Event-ID``/``after``."""
     state = get_state(request)
     await load_owned(state, REQUESTS, rid, await authenticate(request))
