@@ -45,8 +45,9 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from services.api.hub import StreamHub, Subscription, SubscriptionFailed, _raw_reply
+from services.api.hub import StreamHub, Subscription, SubscriptionFailed
 from services.api.stream_ids import StreamId, parse_id
+from services.api.xread_wire import raw_reply
 
 __all__ = ["ClusterStreamHub"]
 
@@ -92,7 +93,7 @@ class _NodeReader:
         pool = ConnectionPool(connection_class=_ReadOnlyConnection, host=host, port=port,
                               socket_timeout=timeout, socket_connect_timeout=5)  # fmt: skip
         self.conn = Redis(connection_pool=pool)
-        self.conn.set_response_callback("XREAD", _raw_reply)
+        self.conn.set_response_callback("XREAD", raw_reply)
         self.bell = _ReadOnlyConnection(host=host, port=port, socket_connect_timeout=5)
         self._listener: asyncio.Task[None] | None = None
 

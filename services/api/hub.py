@@ -35,6 +35,7 @@ from redis.exceptions import (
 )
 
 from services.api.stream_ids import StreamId, parse_id
+from services.api.xread_wire import XRead
 from shared import keys
 
 __all__ = ["Entry", "HubClosed", "StreamHub", "Subscription", "SubscriptionFailed", "parse_id"]
@@ -42,11 +43,6 @@ __all__ = ["Entry", "HubClosed", "StreamHub", "Subscription", "SubscriptionFaile
 logger = logging.getLogger(__name__)
 
 Entry = tuple[str, dict[bytes, bytes]]  # (stream entry id, fields)
-
-
-def _raw_reply(response: Any, **options: Any) -> Any:
-    del options
-    return response
 
 
 def _fields(flat: list[bytes] | None) -> dict[bytes, bytes]:
@@ -191,6 +187,7 @@ class StreamHub:
         self.wake_key = keys.hub_wake(f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self._commands = commands
         self._conn: aioredis.Redis | None = None
+        self._xread = XRead(count, block_ms)
         self._task: asyncio.Task[None] | None = None
         self._subs: dict[str, list[Subscription]] = {}
         self._wake_id = "0-0"
@@ -220,9 +217,6 @@ class StreamHub:
             socket_connect_timeout=5,
             client_name="sluice-hub",
         )
-        # The hub takes XREAD's reply as RESP2 nested lists: redis-py's own callback rebuilds
-        # every entry into tuples and dicts first, about a third of the API's CPU per event.
-        conn.set_response_callback("XREAD", _raw_reply)
         return conn
 
     async def _reconnect(self) -> None:
@@ -372,11 +366,11 @@ class StreamHub:
             self._inflight_version = self._version
             assert self._conn is not None
             try:
-                response: list[list[Any]] | None = await self._conn.xread(
-                    streams,  # type: ignore[arg-type]  # redis-py's dict type is invariant
-                    count=self.count,
-                    block=self.block_ms,
-                )
+                # The reply stays RESP2 nested lists: redis-py's own XREAD callback rebuilds
+                # every entry into tuples and dicts first, about a third of the API's CPU.
+                link = self._conn.connection or (await self._conn.initialize()).connection
+                assert link is not None
+                response: list[list[Any]] | None = await self._xread.call(link, streams)
             except Exception as exc:  # boundary: if this task died, every stream would hang
                 self._inflight_version = -1
                 if self._stopped():
