@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,15 +33,14 @@ from redis.exceptions import (
     TimeoutError as RedisTimeout,
 )
 
-from services.api.stream_ids import StreamId, parse_id
+from services.api.stream_ids import parse_id
+from services.api.subscription import Entry, HubClosed, Subscription, SubscriptionFailed
 from services.api.xread_wire import XRead
 from shared import keys
 
 __all__ = ["Entry", "HubClosed", "StreamHub", "Subscription", "SubscriptionFailed", "parse_id"]
 
 logger = logging.getLogger(__name__)
-
-Entry = tuple[str, dict[bytes, bytes]]  # (stream entry id, fields)
 
 
 def _fields(flat: list[bytes] | None) -> dict[bytes, bytes]:
@@ -53,109 +51,6 @@ def _fields(flat: list[bytes] | None) -> dict[bytes, bytes]:
         return {flat[0]: flat[1], flat[2]: flat[3]}
     it = iter(flat)
     return dict(zip(it, it, strict=True))
-
-
-class HubClosed(Exception):
-    """The hub stopped while a subscriber was waiting."""
-
-
-class SubscriptionFailed(HubClosed):
-    """Redis refused to read this subscription's stream (e.g. the key is not a stream)."""
-
-
-class Subscription:
-    """One consumer's view of one stream: a cursor and a bounded buffer of entries after it."""
-
-    def __init__(self, hub: StreamHub, key: str, after: str) -> None:
-        """Create a subscription; use ``StreamHub.subscribe``, not this."""
-        self.key = key
-        self.cursor = after  # id of the last entry handed to the buffer
-        self.cursor_id = parse_id(after)
-        self.paused = False
-        self.closed = False
-        self.failure: SubscriptionFailed | None = None
-        self._hub = hub
-        self._buf: deque[Entry] = deque()
-        self._ready = asyncio.Event()
-
-    def _push(self, entry_id: str, parsed: StreamId, fields: dict[bytes, bytes]) -> None:
-        self._buf.append((entry_id, fields))
-        self.cursor, self.cursor_id = entry_id, parsed
-        if len(self._buf) >= self._hub.high_water:
-            self.paused = True
-        self._ready.set()
-
-    def _close(self) -> None:
-        self.closed = True
-        self._ready.set()
-
-    async def get(self, wait_s: float | None = None) -> Entry | None:
-        """The next ``(entry_id, fields)``, or None when ``wait_s`` (None: forever) passed first.
-
-        Raises:
-            HubClosed: the hub stopped (``SubscriptionFailed``: Redis refused this stream).
-        """
-        batch = await self.get_batch(wait_s, limit=1)
-        return batch[0] if batch else None
-
-    async def _wait(self, wait_s: float | None) -> None:
-        """Wait until an entry is buffered, the hub closes (``HubClosed``) or ``wait_s`` passes.
-
-        A timer handle on the loop instead of ``asyncio.timeout``: no context manager, task
-        cancellation or exception per wait, which matters at thousands of waits a second.
-        """
-        expired = False
-
-        def expire() -> None:
-            nonlocal expired
-            expired = True
-            self._ready.set()
-
-        timer: asyncio.TimerHandle | None = None
-        if wait_s is not None:
-            timer = asyncio.get_running_loop().call_later(wait_s, expire)
-        try:
-            while not self._buf:
-                if self.closed:
-                    raise self.failure or HubClosed("stream hub stopped")
-                if expired:
-                    return
-                self._ready.clear()
-                await self._ready.wait()
-        finally:
-            if timer is not None:
-                timer.cancel()
-
-    async def get_batch(self, wait_s: float | None = None, limit: int = 64) -> list[Entry]:
-        """Wait for entries, then take every buffered one (up to ``limit``).
-
-        A consumer that fell behind catches up in one write instead of one per entry, so an
-        overloaded process sheds syscalls exactly when it needs to.
-
-        Args:
-            wait_s: seconds to wait; None waits forever.
-            limit: the most entries to return.
-
-        Returns:
-            At least one entry, or an empty list when ``wait_s`` passed without one.
-
-        Raises:
-            HubClosed: the hub stopped.
-        """
-        if not self._buf:
-            await self._wait(wait_s)
-            if not self._buf:
-                return []
-        buf = self._buf
-        if len(buf) <= limit:  # the usual case: take everything without a per-item pop
-            items = list(buf)
-            buf.clear()
-        else:
-            items = [buf.popleft() for _ in range(limit)]
-        if self.paused and len(buf) <= self._hub.low_water:
-            self.paused = False
-            await self._hub.wake()
-        return items
 
 
 class StreamHub:
