@@ -34,6 +34,7 @@ __all__ = [
 
 SCHEMA_VERSION = 2
 _V1 = b"1"  # one event per entry (older workers)
+_CURRENT = str(SCHEMA_VERSION).encode()  # compared as bytes: no int() per entry
 
 _ENCODER = msgspec.msgpack.Encoder()
 _EVENT_DECODER: msgspec.msgpack.Decoder[AnyEvent] = msgspec.msgpack.Decoder(AnyEvent)
@@ -81,7 +82,7 @@ def decode_entry(fields: Mapping[bytes, bytes]) -> list[AnyEvent]:
         raise ProtocolError("stream entry without v/e fields")
     if version == _V1:
         return [decode_event(body)]
-    if int(version) > SCHEMA_VERSION:
+    if version != _CURRENT and int(version) > SCHEMA_VERSION:
         raise ProtocolError(f"event schema v{int(version)} is newer than v{SCHEMA_VERSION}")
     try:
         events = _EVENTS_DECODER.decode(body)

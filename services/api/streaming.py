@@ -45,7 +45,7 @@ from services.api.wire import sse
 from shared import keys
 from shared.codec import decode_entry
 from shared.errors import ProtocolError
-from shared.events import AnyEvent, Error, Usage, is_terminal
+from shared.events import TERMINAL, AnyEvent, Error, Usage, is_terminal
 
 __all__ = ["Projector", "collect_events", "sse_response", "tail"]
 
@@ -187,6 +187,32 @@ async def _cancel_unless_resumed(state: AppState, rid: str) -> None:
         await _cancel_quietly(state, rid)
 
 
+def _encode(
+    items: list[Item],
+    projector: Projector,
+    stamp: Callable[[str], None] | None,
+    rec: access.AccessRecord | None,
+) -> list[bytes]:
+    """One batch's SSE bytes, frame by frame (the format's end after a terminal event)."""
+    # Per event, this loop's cost is the process's: the bound methods are looked up once, and
+    # one frame (the usual case) is encoded without a slice or a generator.
+    out: list[bytes] = []
+    feed, encode = projector.feed, sse.encode
+    for entry_id, event, ends in items:
+        if stamp is not None:
+            stamp(entry_id)
+        frames = feed(event)
+        if frames:  # the entry id rides on the last frame of the entry's last event
+            if len(frames) > 1:
+                out.extend(map(encode, frames[:-1]))
+            out.append(encode(frames[-1], entry_id if ends else None))
+        if type(event) in TERMINAL:
+            out.extend(map(encode, projector.close()))
+        elif type(event) is Usage and rec is not None:
+            rec.input_tokens, rec.output_tokens = event.input_tokens, event.output_tokens
+    return out
+
+
 async def _frames(
     state: AppState,
     rid: str,
@@ -210,27 +236,13 @@ async def _frames(
                 if not batch:
                     yield ping
                     continue
-                out: list[bytes] = []
                 if rec is not None and rec.ttft_ms is None:
                     rec.ttft_ms = round((time.perf_counter() - began) * 1000, 1)
-                for entry_id, event, ends in fold_deltas(batch) if folds else batch:
-                    if stamp is not None:
-                        stamp(entry_id)
-                    frames = projector.feed(event)
-                    if frames:  # the entry id rides on the last frame of the entry's last event
-                        last = len(frames) - 1
-                        out.extend(sse.encode(f) for f in frames[:last])
-                        out.append(sse.encode(frames[last], entry_id if ends else None))
-                    if is_terminal(event):
-                        finished = True
-                        out.extend(sse.encode(f) for f in projector.close())
-                    elif isinstance(event, Usage) and rec is not None:
-                        rec.input_tokens, rec.output_tokens = (
-                            event.input_tokens,
-                            event.output_tokens,
-                        )
+                out = _encode(fold_deltas(batch) if folds else batch, projector, stamp, rec)
+                # A batch holds at most one terminal event, as its last item (``_batches``).
+                finished = type(batch[-1][1]) in TERMINAL
                 if out:
-                    yield b"".join(out)
+                    yield out[0] if len(out) == 1 else b"".join(out)
         if not finished:  # resumed after the terminal entry: only the format's end is left
             finished = True
             if end := b"".join(sse.encode(f) for f in projector.close()):

@@ -54,6 +54,21 @@ def _field(name: bytes, value: bytes) -> bytes:
     return b"".join(name + b": " + line + b"\n" for line in lines)
 
 
+# Encoded ``event:`` lines by name: a format has a handful of event names, and every frame
+# carries one. Bounded, in case a caller ever names events from data.
+_EVENT_LINES: dict[str, bytes] = {}
+_MAX_EVENT_LINES = 256
+
+
+def _event_line(name: str) -> bytes:
+    line = _EVENT_LINES.get(name)
+    if line is None:
+        line = _field(b"event", name.encode())
+        if len(_EVENT_LINES) < _MAX_EVENT_LINES:
+            _EVENT_LINES[name] = line
+    return line
+
+
 def encode(frame: Frame, entry_id: str | None = None) -> bytes:
     """Encode one frame as the bytes of an SSE event, ending with the blank line.
 
@@ -65,19 +80,22 @@ def encode(frame: Frame, entry_id: str | None = None) -> bytes:
     Returns:
         ``event:`` (if any), ``id:`` (if any) and ``data:`` lines followed by ``\\n``.
     """
-    data = frame.data.encode() if isinstance(frame.data, str) else frame.data
+    # Runs once per frame on every stream: the one-line payload (all JSON is) is the fast path.
+    data = frame.data
+    if isinstance(data, str):
+        data = data.encode()
+    if b"\n" in data or b"\r" in data:
+        body = _field(b"data", data) + b"\n"
+    else:
+        body = b"data: " + data + b"\n\n"
     event_id = frame.id if entry_id is None else entry_id
-    body = _field(b"data", data)
-    if frame.event is None and event_id is None:
-        return body + b"\n"
-    parts = []
-    if frame.event is not None:
-        parts.append(_field(b"event", frame.event.encode()))
-    if event_id is not None:
-        parts.append(_field(b"id", event_id.encode()))
-    parts.append(body)
-    parts.append(b"\n")
-    return b"".join(parts)
+    if frame.event is None:
+        if event_id is None:
+            return body
+        return _field(b"id", event_id.encode()) + body
+    if event_id is None:
+        return _event_line(frame.event) + body
+    return _event_line(frame.event) + _field(b"id", event_id.encode()) + body
 
 
 def comment(text: str = "keepalive") -> bytes:
