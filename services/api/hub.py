@@ -33,7 +33,7 @@ from redis.exceptions import (
     TimeoutError as RedisTimeout,
 )
 
-from services.api.stream_ids import parse_id
+from services.api.stream_ids import StreamId, parse_id
 from services.api.subscription import Entry, HubClosed, Subscription, SubscriptionFailed
 from services.api.xread_wire import XRead
 from shared import keys
@@ -41,6 +41,11 @@ from shared import keys
 __all__ = ["Entry", "HubClosed", "StreamHub", "Subscription", "SubscriptionFailed", "parse_id"]
 
 logger = logging.getLogger(__name__)
+
+
+def _parse(raw_id: bytes) -> StreamId:
+    ms, _, seq = raw_id.partition(b"-")
+    return int(ms), int(seq)
 
 
 def _fields(flat: list[bytes] | None) -> dict[bytes, bytes]:
@@ -227,12 +232,18 @@ class StreamHub:
             subs = self._subs.get(key)
             if not subs:
                 continue
-            for raw_id, flat in entries:
-                ms, _, seq = raw_id.partition(b"-")
-                parsed = (int(ms), int(seq))
-                entry_id = raw_id.decode()
-                fields = _fields(flat)
-                for sub in subs:
+            # Per entry only what every reader needs (its id as text, its fields); ids are
+            # parsed as numbers only at the edges of the run, since they only grow.
+            batch = [(raw_id.decode(), _fields(flat)) for raw_id, flat in entries]
+            first, last = _parse(entries[0][0]), _parse(entries[-1][0])
+            for sub in subs:
+                if sub.paused:
+                    continue
+                if sub.cursor_id < first:
+                    sub._push_run(batch, last)
+                    continue
+                for (entry_id, fields), (raw_id, _) in zip(batch, entries, strict=True):
+                    parsed = _parse(raw_id)  # ahead of the read cursor: skip what it has
                     if not sub.paused and sub.cursor_id < parsed:
                         sub._push(entry_id, parsed, fields)
 

@@ -72,6 +72,18 @@ class Subscription:
             self.paused = True
         self._wake()
 
+    def _push_run(self, run: list[Entry], last: StreamId) -> None:
+        """``_push`` each of ``run`` (ids ascending, all after the cursor; ``last`` is the id of
+        its last entry, parsed): one cursor update and one wake-up for the lot."""
+        room = self._hub.high_water - len(self._buf)
+        if len(run) >= room:  # fills the buffer: take up to high water, and pause there
+            run = run[: max(room, 1)]
+            last = parse_id(run[-1][0])
+            self.paused = True
+        self._buf.extend(run)
+        self.cursor, self.cursor_id = run[-1][0], last
+        self._wake()
+
     def _close(self) -> None:
         self.closed = True
         if self._timer is not None:

@@ -89,13 +89,17 @@ def encode(frame: Frame, entry_id: str | None = None) -> bytes:
     else:
         body = b"data: " + data + b"\n\n"
     event_id = frame.id if entry_id is None else entry_id
+    if event_id is not None:
+        body = _id_line(event_id) + body
     if frame.event is None:
-        if event_id is None:
-            return body
-        return _field(b"id", event_id.encode()) + body
-    if event_id is None:
-        return _event_line(frame.event) + body
-    return _event_line(frame.event) + _field(b"id", event_id.encode()) + body
+        return body
+    return _event_line(frame.event) + body
+
+
+def _id_line(event_id: str) -> bytes:
+    if "\n" in event_id or "\r" in event_id:  # never a Redis entry id
+        return _field(b"id", event_id.encode())
+    return b"id: " + event_id.encode() + b"\n"
 
 
 def comment(text: str = "keepalive") -> bytes:
