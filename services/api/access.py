@@ -9,8 +9,9 @@ label set.
 
 Handlers add what they learn to the request's ``AccessRecord`` (``record()``, a context
 variable): the request id and model at admission, token counts when the stream's ``Usage``
-passes. Starlette runs a streaming body in a child task, which inherits the context, so the
-record it fills is the one this wrapper logs.
+passes. An SSE response runs its body in a child task, which inherits the context, so the
+record it fills is the one this wrapper logs; its chunks between the start and the last one go
+straight to the server (``sse_asgi``), which changes nothing here: only those two are looked at.
 """
 
 from __future__ import annotations
