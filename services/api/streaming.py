@@ -129,6 +129,9 @@ async def _batches(state: AppState, rid: str, after: str) -> AsyncGenerator[list
             if entries:
                 deadline = None
                 watch.alive()
+                # Entries are proof of life (the log exists and a worker writes it): only a
+                # tail silent for ``check_s`` is checked, not every stream every ``check_s``.
+                checked = time.monotonic()
             else:
                 if time.monotonic() - checked >= watch.check_s:
                     checked = time.monotonic()
