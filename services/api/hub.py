@@ -235,7 +235,8 @@ class StreamHub:
             # Per entry only what every reader needs (its id as text, its fields); ids are
             # parsed as numbers only at the edges of the run, since they only grow.
             batch = [(raw_id.decode(), _fields(flat)) for raw_id, flat in entries]
-            first, last = _parse(entries[0][0]), _parse(entries[-1][0])
+            first = _parse(entries[0][0])
+            last = first if len(entries) == 1 else _parse(entries[-1][0])
             for sub in subs:
                 if sub.paused:
                     continue
