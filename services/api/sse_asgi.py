@@ -59,7 +59,10 @@ class SSEResponse(Response):
         self.status_code = 200
         self.background: BackgroundTask | None = None
         self.body_iterator = body
-        self.raw_headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        # As Starlette does: names lower-cased, both as latin-1 (HTTP/1.1 header bytes).
+        self.raw_headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
+        ]
         self._ending = ending
         self._on_abandon = on_abandon
 
