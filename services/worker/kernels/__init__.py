@@ -67,7 +67,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "matmul.c", HERE / "q8.c", HERE / "attention.c", HERE / "forward.c"]
+SOURCES = [HERE / f for f in ("matmul.c", "q8.c", "amx.c", "attention.c", "forward.c")]
 HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
 WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *WARNINGS]
