@@ -34,22 +34,26 @@ __attribute__((constructor)) static void amx_request(void) {
 
 int amx_usable(void) { return amx_granted; }
 
-/* Tile registers: 0, 1 int32 results (16 x 16); 2 activations (16 rows x 32 bytes); 3 weights
- * (8 k-quads x 16 rows x 4 bytes); 4..7 the same halved for Q8_16's per-16 scales (values 0..15
- * and 16..31: A 16 x 16 bytes, B 4 x 64). */
+/* Tile registers: 0, 1 int32 results (16 x 16 each). Q4 and int8: 2, 3 activations (16 rows x
+ * 32 bytes) and weights (8 k-quads x 16 rows x 4 bytes) of an even block, 4, 5 of the odd one
+ * (two blocks in flight: one's scaling overlaps the next one's tile product). Q8_16, whose
+ * halves have a scale each: 2, 3 values 0..15 of a block (A 16 x 16 bytes, B 4 x 64), 4, 5
+ * values 16..31. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
 
-static void configure(void) {
+static void configure(const int sub16) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    static const uint8_t rows[8] = {16, 16, 16, 8, 16, 4, 16, 4};
-    static const uint16_t colsb[8] = {64, 64, 32, 64, 16, 64, 16, 64};
-    for (int i = 0; i < 8; i++) c.rows[i] = rows[i], c.colsb[i] = colsb[i];
+    const uint8_t b_rows = sub16 ? 4 : 8;
+    const uint16_t a_cols = sub16 ? 16 : 32;
+    const uint8_t rows[6] = {16, 16, 16, b_rows, 16, b_rows};
+    const uint16_t colsb[6] = {64, 64, a_cols, 64, a_cols, 64};
+    for (int i = 0; i < 6; i++) c.rows[i] = rows[i], c.colsb[i] = colsb[i];
     _tile_loadconfig(&c);
 }
 
@@ -113,74 +117,125 @@ static void unpack_pair(const int kind, int64_t nb, const uint8_t *w0, const uin
     }
 }
 
-/* 16 activation rows (x: stride K; xd, xs: stride nb) times the 16 unpacked weight rows, all
- * blocks: acc[t] = row t's 16 sums. sub16: Q8_16's two scales a block; has_m: add the
+/* Row t's term of one block into acc[t], the VNNI tiles' operations in their order. */
+static inline __attribute__((always_inline)) void
+scale_block(const int sub16, const int has_m, int64_t b, const float *xt, const float *dv,
+            const float *mv, int32_t (*dots)[16][16], __m512 *acc) {
+    const float *xd = xt + b * 32, *xs = xd + 16;
+    if (sub16) {
+        const __m512 d0 = _mm512_load_ps(dv + b * 32), d1 = _mm512_load_ps(dv + b * 32 + 16);
+        for (int t = 0; t < 16; t++) {
+            const __m512 xv = _mm512_set1_ps(xd[t]);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512(dots[0][t]));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512(dots[1][t]));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d0, xv), lo, acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d1, xv), hi, acc[t]);
+        }
+        return;
+    }
+    const __m512 d = _mm512_load_ps(dv + b * 16);
+    const __m512 m = has_m ? _mm512_load_ps(mv + b * 16) : _mm512_setzero_ps();
+    for (int t = 0; t < 16; t++) {
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t]));
+        acc[t] =
+            _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_load_si512(dots[0][t])), acc[t]);
+        if (has_m) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t]), acc[t]);
+    }
+}
+
+/* 16 activation rows (x: stride K; xt: their scales and sums, [nb][2][16]) times the 16
+ * unpacked weight rows, all blocks: acc[t] = row t's 16 sums. sub16: Q8_16's two scales a block; has_m: add the
  * minimums' term. */
 static inline __attribute__((always_inline)) void
-amx_tile(const int sub16, const int has_m, int64_t nb, int64_t K, const int8_t *x, const float *xd,
-         const float *xs, const uint8_t *tiles, const float *dv, const float *mv, __m512 *acc) {
-    int32_t dots[2][16][16] __attribute__((aligned(64)));
+amx_tile(const int sub16, const int has_m, int64_t nb, int64_t K, const int8_t *x, const float *xt,
+         const uint8_t *tiles, const float *dv, const float *mv, __m512 *acc) {
+    int32_t dots[2][2][16][16] __attribute__((aligned(64)));
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tb = tiles + b * 512;
-        if (sub16) {
+    if (sub16) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *tb = tiles + b * 512;
             _tile_zero(0);
             _tile_zero(1);
-            _tile_loadd(4, x + b * QK, K);
-            _tile_loadd(5, tb, 64);
-            _tile_loadd(6, x + b * QK + 16, K);
-            _tile_loadd(7, tb + 256, 64);
-            _tile_dpbssd(0, 4, 5);
-            _tile_dpbssd(1, 6, 7);
-            _tile_stored(0, dots[0], 64);
-            _tile_stored(1, dots[1], 64);
-            const __m512 d0 = _mm512_load_ps(dv + b * 32), d1 = _mm512_load_ps(dv + b * 32 + 16);
+            _tile_loadd(2, x + b * QK, K);
+            _tile_loadd(3, tb, 64);
+            _tile_loadd(4, x + b * QK + 16, K);
+            _tile_loadd(5, tb + 256, 64);
+            _tile_dpbssd(0, 2, 3);
+            _tile_dpbssd(1, 4, 5);
+            _tile_stored(0, dots[0][0], 64);
+            _tile_stored(1, dots[0][1], 64);
+            scale_block(1, 0, b, xt, dv, mv, dots[0], acc);
+        }
+        return;
+    }
+    /* Software-pipelined: block b + 1's tile product is issued before block b is scaled, so
+     * the product's latency (tens of cycles) hides behind the scaling. Even blocks use tiles 0,
+     * 2, 3, odd ones 1, 4, 5 (literal tile numbers: the instructions encode them). */
+#define SL_ISSUE(c, a, w, blk)                                                                     \
+    do {                                                                                           \
+        _tile_zero(c);                                                                             \
+        _tile_loadd(a, x + (blk) * QK, K);                                                         \
+        _tile_loadd(w, tiles + (blk) * 512, 64);                                                   \
+        _tile_dpbssd(c, a, w);                                                                     \
+    } while (0)
+    SL_ISSUE(0, 2, 3, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        _tile_stored(0, dots[0][0], 64);
+        if (b + 1 < nb) SL_ISSUE(1, 4, 5, b + 1);
+        scale_block(0, has_m, b, xt, dv, mv, dots[0], acc);
+        if (b + 1 >= nb) break;
+        _tile_stored(1, dots[1][0], 64);
+        if (b + 2 < nb) SL_ISSUE(0, 2, 3, b + 2);
+        scale_block(0, has_m, b + 1, xt, dv, mv, dots[1], acc);
+    }
+#undef SL_ISSUE
+}
+
+/* Once per call and thread: the activations' scales and sums transposed to [tile][nb][2][16]
+ * (a row's value is then a broadcast at a constant offset; rows past M read zeros), and the
+ * last partial row tile's values copied to 16 zero-padded rows (tiles load 16). */
+static void prepare_rows(int64_t M, int64_t K, const int8_t *xq, const float *xd, const float *xs,
+                         float *xt, int8_t *pad) {
+    const int64_t nb = K / QK, tiles = (M + 15) / 16;
+    for (int64_t i = 0; i < tiles; i++)
+        for (int64_t b = 0; b < nb; b++)
             for (int t = 0; t < 16; t++) {
-                const __m512 xv = _mm512_set1_ps(xd[t * nb + b]);
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512(dots[0][t]));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512(dots[1][t]));
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d0, xv), lo, acc[t]);
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d1, xv), hi, acc[t]);
+                const int64_t row = 16 * i + t;
+                float *at = xt + (i * nb + b) * 32 + t;
+                at[0] = row < M ? xd[row * nb + b] : 0.0f;
+                at[16] = row < M && xs ? xs[row * nb + b] : 0.0f;
             }
-            continue;
-        }
-        _tile_zero(0);
-        _tile_loadd(2, x + b * QK, K);
-        _tile_loadd(3, tb, 64);
-        _tile_dpbssd(0, 2, 3);
-        _tile_stored(0, dots[0], 64);
-        const __m512 d = _mm512_load_ps(dv + b * 16);
-        const __m512 m = has_m ? _mm512_load_ps(mv + b * 16) : _mm512_setzero_ps();
-        for (int t = 0; t < 16; t++) {
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b]));
-            acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_load_si512(dots[0][t])),
-                                     acc[t]);
-            if (has_m) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc[t]);
-        }
+    if (M % 16) {
+        memset(pad, 0, 16 * (size_t)K);
+        memcpy(pad, xq + (M - M % 16) * K, (size_t)(M % 16) * K);
     }
 }
 
 void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                    const float *xs, const void *wq, const float *wd, const float *wm,
                    const float *bias, float *y, int accumulate) {
-    const int64_t nb = K / QK, groups = N / 8;
+    const int64_t nb = K / QK, groups = N / 8, row_tiles = (M + 15) / 16;
     const int64_t wblock = kind == AMX_Q4 ? 128 : 256, dper = kind == AMX_Q8_16 ? 16 : 8;
-    /* per thread: the pair's tiles, scales and minimums; 16 zero-padded rows for the last
-     * partial row tile (xq, xd, xs) */
+    /* per thread: the pair's tiles, scales and minimums; the rows' transposed scales and sums;
+     * the padded last row tile */
     const size_t tiles_b = (size_t)nb * 512, dv_b = (size_t)nb * 32 * sizeof(float),
-                 mv_b = (size_t)nb * 16 * sizeof(float), pad_b = 16 * (size_t)K,
-                 pd_b = 16 * (size_t)nb * sizeof(float);
+                 mv_b = (size_t)nb * 16 * sizeof(float),
+                 xt_b = (size_t)(row_tiles * nb * 32) * sizeof(float), pad_b = 16 * (size_t)K;
     const int has_m = kind == AMX_Q4 || wm;
-    int configured = 0;
+    uint8_t *buf = NULL;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < (groups + 1) / 2; p++) {
-        uint8_t *buf = scratch(tiles_b + dv_b + mv_b + pad_b + 2 * pd_b + 64);
-        if (!buf) abort(); /* a few hundred KiB: out of memory is not worth a fallback */
-        if (!configured) configure(), configured = 1;
+        if (!buf) { /* this thread's first pair of the call */
+            buf = scratch(tiles_b + dv_b + mv_b + xt_b + pad_b);
+            if (!buf) abort(); /* well under a MiB: out of memory is not worth a fallback */
+            configure(kind == AMX_Q8_16);
+            prepare_rows(M, K, xq, xd, xs, (float *)(buf + tiles_b + dv_b + mv_b),
+                         (int8_t *)(buf + tiles_b + dv_b + mv_b + xt_b));
+        }
         uint8_t *tiles = buf;
         float *dv = (float *)(buf + tiles_b), *mv = (float *)(buf + tiles_b + dv_b);
-        int8_t *pq = (int8_t *)(buf + tiles_b + dv_b + mv_b);
-        float *pd = (float *)(buf + tiles_b + dv_b + mv_b + pad_b), *ps = pd + 16 * nb;
+        const float *xt = (const float *)(buf + tiles_b + dv_b + mv_b);
+        const int8_t *pad = (const int8_t *)(buf + tiles_b + dv_b + mv_b + xt_b);
         const int64_t g0 = 2 * p;
         const int two = g0 + 1 < groups;
         const uint8_t *w = wq;
@@ -190,28 +245,23 @@ void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, 
                     dv, mv);
         const __mmask16 cols = two ? 0xFFFF : 0x00FF;
         const int64_t n0 = g0 * 8;
-        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < row_tiles; i++) {
+            const int64_t m0 = 16 * i;
             const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
-            const int8_t *x = xq + m0 * K;
-            const float *d = xd + m0 * nb, *s = xs ? xs + m0 * nb : NULL;
-            if (rows < 16) { /* tiles read 16 rows: the rest from zeros */
-                memset(pq, 0, pad_b);
-                memset(pd, 0, 2 * pd_b);
-                memcpy(pq, x, (size_t)rows * K);
-                memcpy(pd, d, (size_t)rows * nb * sizeof(float));
-                if (s) memcpy(ps, s, (size_t)rows * nb * sizeof(float));
-                x = pq, d = pd, s = s ? ps : NULL;
-            }
+            const int8_t *x = rows < 16 ? pad : xq + m0 * K;
+            const float *xti = xt + i * nb * 32;
             __m512 acc[16];
             if (kind == AMX_Q8_16)
-                amx_tile(1, 0, nb, K, x, d, s, tiles, dv, mv, acc);
+                amx_tile(1, 0, nb, K, x, xti, tiles, dv, mv, acc);
             else if (has_m)
-                amx_tile(0, 1, nb, K, x, d, s, tiles, dv, mv, acc);
+                amx_tile(0, 1, nb, K, x, xti, tiles, dv, mv, acc);
             else
-                amx_tile(0, 0, nb, K, x, d, s, tiles, dv, mv, acc);
-            /* store() lane by lane: + bias, then + y */
-            const __m512 bv = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();
-            for (int t = 0; t < rows; t++) {
+                amx_tile(0, 0, nb, K, x, xti, tiles, dv, mv, acc);
+            /* store() lane by lane: + bias, then + y. Unrolled: acc stays in registers. */
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) {
+                if (t >= rows) break;
                 float *yr = y + (m0 + t) * N + n0;
                 __m512 v = acc[t];
                 if (bias) v = _mm512_add_ps(v, bv);
@@ -220,7 +270,7 @@ void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, 
             }
         }
     }
-    if (configured) _tile_release(); /* back to the init state: no 8 KiB to save on a switch */
+    if (buf) _tile_release(); /* back to the init state: no 8 KiB to save on a switch */
 }
 #else
 int amx_usable(void) { return 0; }
