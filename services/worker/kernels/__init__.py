@@ -1,5 +1,5 @@
-"""sluice's CPU kernels (``matmul.c``, ``q8.c``, ``attention.c``, ``forward.c``): built on first
-use, loaded with ctypes.
+"""sluice's CPU kernels (``matmul.c``, ``q8.c``, ``amx.c``, ``attention.c``, ``forward.c``): built
+on first use, loaded with ctypes.
 
 Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
 cache directory, loading the library, and stating its ABI on the Python side. Knows nothing about
@@ -17,8 +17,10 @@ as ``Kernels.lib.sl_*`` by the quantized model, which owns their buffers.
 
 The instruction set is chosen at build time from the compiler's target: ``-march=native``
 defines ``__AVX512VNNI__`` etc. on a CPU that has them, and the C picks AVX-512 VNNI, AVX2 + FMA
-or its generic loops (``Kernels.isa`` says which). The tests also build the portable scalar
-variant and an AVX2-only one and compare all of them to float64 references.
+or its generic loops (``Kernels.isa`` says which); with AVX-512 VNNI, AMX int8 tiles too for
+prefill GEMMs where the CPU has them and the OS grants the tile state at load (``amx.c``; the
+ISA then reads ``avx512vnni+amx``; ``-DSL_NO_AMX`` builds without). The tests also build the
+portable scalar variant and an AVX2-only one and compare all of them to float64 references.
 
 Why ctypes and plain C rather than a torch extension: the files build in about two seconds
 with no torch headers, and a call costs a couple of microseconds. The library links the same
@@ -346,7 +348,7 @@ class Kernels:
                     f"{mirror.__name__} {ctypes.sizeof(mirror)}"
                 )
         self.vectorized = bool(self.lib.sl_vectorized())
-        self.isa: str = self.lib.sl_isa().decode()  # avx512vnni, avx2+vnni, avx2 or scalar
+        self.isa: str = self.lib.sl_isa().decode()  # avx512vnni(+amx), avx2+vnni, avx2 or scalar
 
     @staticmethod
     def threads() -> int:

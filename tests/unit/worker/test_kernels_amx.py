@@ -22,7 +22,7 @@ from services.worker.models.kernel_llama import PackedLinear
 from tests.unit.worker.test_kernels_formats import _activations, _assert_matmul, _grid
 from tests.worker_models import gen
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)
 
 ROWS = [16, 17, 31, 48, 190]
 # (N, K): the default model's q / o (576 x 576), gate / up (1536 x 576), down (576 x 1536), k / v
@@ -78,6 +78,26 @@ def test_amx_gemm_is_the_vnni_gemm_bit_for_bit(
     fresh = torch.full((m, n), float("nan"))
     linear(amx, a, fresh)  # without accumulate: every output written
     _assert_matmul(fresh, a, w, bias.expand(m, n))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q5_1, Q.Q6_K])
+def test_amx_gemm_on_two_threads(amx: Kernels, vnni: Kernels, qtype: Q) -> None:
+    """Two threads split the 16-row weight pairs (each with its own buffers and tile
+    configuration): still the VNNI build's bits, single-threaded."""
+    m, n, kk = 47, 200, 512  # 25 groups: the second thread's last pair is half empty
+    blocks, _ = _grid(qtype, n, kk, seed=int(qtype))
+    linear = PackedLinear(blocks, None)
+    a = _activations(m, kk, seed=7)
+    got, want = torch.empty(m, n), torch.empty(m, n)
+    linear(vnni, a, want)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(3):  # threads keep their buffers between calls
+            linear(amx, a, got)
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_formats_cover_every_interleaved_layout() -> None:
