@@ -37,8 +37,8 @@ int amx_usable(void) { return amx_granted; }
 /* Tile registers: 0, 1 int32 results (16 x 16 each). Q4 and int8: 2, 3 activations (16 rows x
  * 32 bytes) and weights (8 k-quads x 16 rows x 4 bytes) of an even block, 4, 5 of the odd one
  * (two blocks in flight: one's scaling overlaps the next one's tile product). Q8_16, whose
- * halves have a scale each: 2, 3 values 0..15 of a block (A 16 x 16 bytes, B 4 x 64), 4, 5
- * values 16..31. */
+ * halves have a scale each: 0, 1 an even block's results for values 0..15 and 16..31, 2, 3 the
+ * odd block's; 4, 5 values 0..15 (A 16 x 16 bytes, B 4 x 64), 6, 7 values 16..31. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -46,14 +46,13 @@ typedef struct {
 } tile_config;
 
 static void configure(const int sub16) {
+    static const uint8_t rows[2][8] = {{16, 16, 16, 8, 16, 8}, {16, 16, 16, 16, 16, 4, 16, 4}};
+    static const uint16_t colsb[2][8] = {{64, 64, 32, 64, 32, 64},
+                                         {64, 64, 64, 64, 16, 64, 16, 64}};
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    const uint8_t b_rows = sub16 ? 4 : 8;
-    const uint16_t a_cols = sub16 ? 16 : 32;
-    const uint8_t rows[6] = {16, 16, 16, b_rows, 16, b_rows};
-    const uint16_t colsb[6] = {64, 64, a_cols, 64, a_cols, 64};
-    for (int i = 0; i < 6; i++) c.rows[i] = rows[i], c.colsb[i] = colsb[i];
+    for (int i = 0; i < 8; i++) c.rows[i] = rows[sub16][i], c.colsb[i] = colsb[sub16][i];
     _tile_loadconfig(&c);
 }
 
@@ -137,35 +136,44 @@ scale_block(const int sub16, const int has_m, int64_t b, const float *xt, const 
     const __m512 m = has_m ? _mm512_load_ps(mv + b * 16) : _mm512_setzero_ps();
     for (int t = 0; t < 16; t++) {
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t]));
-        acc[t] =
-            _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_load_si512(dots[0][t])), acc[t]);
+        acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_load_si512(dots[0][t])), acc[t]);
         if (has_m) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t]), acc[t]);
     }
 }
 
 /* 16 activation rows (x: stride K; xt: their scales and sums, [nb][2][16]) times the 16
- * unpacked weight rows, all blocks: acc[t] = row t's 16 sums. sub16: Q8_16's two scales a block; has_m: add the
- * minimums' term. */
+ * unpacked weight rows, all blocks: acc[t] = row t's 16 sums. sub16: Q8_16's two scales a
+ * block; has_m: add the minimums' term. */
 static inline __attribute__((always_inline)) void
 amx_tile(const int sub16, const int has_m, int64_t nb, int64_t K, const int8_t *x, const float *xt,
          const uint8_t *tiles, const float *dv, const float *mv, __m512 *acc) {
     int32_t dots[2][2][16][16] __attribute__((aligned(64)));
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-    if (sub16) {
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *tb = tiles + b * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_loadd(2, x + b * QK, K);
-            _tile_loadd(3, tb, 64);
-            _tile_loadd(4, x + b * QK + 16, K);
-            _tile_loadd(5, tb + 256, 64);
-            _tile_dpbssd(0, 2, 3);
-            _tile_dpbssd(1, 4, 5);
+    if (sub16) { /* pipelined as below, two result tiles per block */
+#define SL_ISSUE16(lo, hi, blk)                                                                    \
+    do {                                                                                           \
+        _tile_zero(lo);                                                                            \
+        _tile_zero(hi);                                                                            \
+        _tile_loadd(4, x + (blk)*QK, K);                                                           \
+        _tile_loadd(5, tiles + (blk)*512, 64);                                                     \
+        _tile_loadd(6, x + (blk)*QK + 16, K);                                                      \
+        _tile_loadd(7, tiles + (blk)*512 + 256, 64);                                               \
+        _tile_dpbssd(lo, 4, 5);                                                                    \
+        _tile_dpbssd(hi, 6, 7);                                                                    \
+    } while (0)
+        SL_ISSUE16(0, 1, 0);
+        for (int64_t b = 0; b < nb; b += 2) {
             _tile_stored(0, dots[0][0], 64);
             _tile_stored(1, dots[0][1], 64);
+            if (b + 1 < nb) SL_ISSUE16(2, 3, b + 1);
             scale_block(1, 0, b, xt, dv, mv, dots[0], acc);
+            if (b + 1 >= nb) break;
+            _tile_stored(2, dots[1][0], 64);
+            _tile_stored(3, dots[1][1], 64);
+            if (b + 2 < nb) SL_ISSUE16(0, 1, b + 2);
+            scale_block(1, 0, b + 1, xt, dv, mv, dots[1], acc);
         }
+#undef SL_ISSUE16
         return;
     }
     /* Software-pipelined: block b + 1's tile product is issued before block b is scaled, so
@@ -174,8 +182,8 @@ amx_tile(const int sub16, const int has_m, int64_t nb, int64_t K, const int8_t *
 #define SL_ISSUE(c, a, w, blk)                                                                     \
     do {                                                                                           \
         _tile_zero(c);                                                                             \
-        _tile_loadd(a, x + (blk) * QK, K);                                                         \
-        _tile_loadd(w, tiles + (blk) * 512, 64);                                                   \
+        _tile_loadd(a, x + (blk)*QK, K);                                                           \
+        _tile_loadd(w, tiles + (blk)*512, 64);                                                     \
         _tile_dpbssd(c, a, w);                                                                     \
     } while (0)
     SL_ISSUE(0, 2, 3, 0);
@@ -258,7 +266,7 @@ void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, 
                 amx_tile(0, 1, nb, K, x, xti, tiles, dv, mv, acc);
             else
                 amx_tile(0, 0, nb, K, x, xti, tiles, dv, mv, acc);
-            /* store() lane by lane: + bias, then + y. Unrolled: acc stays in registers. */
+                /* store() lane by lane: + bias, then + y. Unrolled: acc stays in registers. */
 #pragma GCC unroll 16
             for (int t = 0; t < 16; t++) {
                 if (t >= rows) break;
