@@ -7,7 +7,7 @@
  * Bit-identical to the AVX-512 VNNI tiles: the int32 dot of a block is exact on both paths, and
  * each output then goes through the same float operations in the same block order (the
  * VNNI tiles' comments: acc = fma(wd * xd, dot, acc), then fma(wm, xs, acc)), so a token's
- * logits do not depend on whether its rows took this path (M >= 16) or the VNNI one (decode).
+ * logits do not depend on whether its rows took this path (M >= SL_AMX_MIN_M) or the VNNI one.
  *
  * The tiles, and why the weights are the B side: the interleaved layouts already are the VNNI
  * B-tile layout of eight columns (byte 4r + i of vector j: row r, value 4j + i), so a B tile of

@@ -42,8 +42,12 @@
 #else
 #define SL_AMX 0
 #endif
-/* Fewer activation rows than a tile's 16 (decode) stay on the VNNI tiles. */
-#define SL_AMX_MIN_M 16
+/* Fewer activation rows (decode of small batches) stay on the VNNI tiles. A tile costs the same
+ * for 1 or 16 rows (rows past M are zeros): from 8 rows it was 1.0-1.8x the VNNI tiles' speed
+ * on the default model's shapes, at 6 0.8-1.6x, at 4 0.7-1.0x (ops/bench/amx_gemm.py). */
+#ifndef SL_AMX_MIN_M
+#define SL_AMX_MIN_M 8
+#endif
 
 /* Activation rows per weight pass: a weight block is unpacked once per MT rows. Eight with
  * AVX-512, whose 32 vector registers hold eight accumulators beside the unpacked block. */

@@ -26,8 +26,9 @@
  * else the generic scalar loops, which are the reference the tests compare every variant to.
  * Each SIMD variant sits beside the generic code it replaces and computes the same results.
  * With AVX-512 VNNI, where the compiler also targets AMX int8 tiles (Sapphire Rapids and later)
- * and the OS grants the tile state at load, GEMMs of 16 or more activation rows run on the
- * tiles (amx.c), bit-identical to the VNNI tiles; -DSL_NO_AMX leaves them out.
+ * and the OS grants the tile state at load, GEMMs of 8 or more activation rows (prefill,
+ * batched decode) run on the tiles (amx.c), bit-identical to the VNNI tiles; -DSL_NO_AMX leaves
+ * them out.
  *
  * Files: sluice_cpu.h (this: the ABI: every exported function and struct), sl_impl.h (vector
  * helpers, the stages shared between files), matmul.c (activation quantization, the 4-bit

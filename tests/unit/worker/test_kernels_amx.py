@@ -1,6 +1,6 @@
 """The prefill GEMMs on AMX int8 tiles (``amx.c``) against the AVX-512 VNNI tiles they stand in
-for: the same bits for every interleaved format, row count (a full 16-row tile, remainders, the
-default model's 190-token prompt) and shape (the 135M model's 576 / 1536 / 192, and an odd
+for: the same bits for every interleaved format, row count (one zero-padded tile, a full 16-row
+tile, remainders, the default model's 190-token prompt) and shape (the 135M model's 576 / 1536 / 192, and an odd
 number of eight-row groups), and both within fp32 accumulation of float64 on exact grids.
 
 The VNNI side is the native build compiled with ``-DSL_NO_AMX``; the AMX side the process's
@@ -24,7 +24,7 @@ from tests.worker_models import gen
 
 torch.set_num_threads(1)
 
-ROWS = [16, 17, 31, 48, 190]
+ROWS = [8, 13, 16, 17, 31, 48, 190]  # from SL_AMX_MIN_M (8) rows: one padded tile, and more
 # (N, K): the default model's q / o (576 x 576), gate / up (1536 x 576), down (576 x 1536), k / v
 # (192 x 576), and 5 groups of eight rows (the last 16-row pair half empty) over 3 blocks
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (192, 576), (40, 96)]
