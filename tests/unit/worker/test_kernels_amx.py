@@ -1,7 +1,8 @@
 """The prefill GEMMs on AMX int8 tiles (``amx.c``) against the AVX-512 VNNI tiles they stand in
 for: the same bits for every interleaved format, row count (one zero-padded tile, a full 16-row
-tile, remainders, the default model's 190-token prompt) and shape (the 135M model's 576 / 1536 / 192, and an odd
-number of eight-row groups), and both within fp32 accumulation of float64 on exact grids.
+tile, remainders, the default model's 190-token prompt) and shape (the 135M model's 576 / 1536 /
+192, and an odd number of eight-row groups), and both within fp32 accumulation of float64 on
+exact grids.
 
 The VNNI side is the native build compiled with ``-DSL_NO_AMX``; the AMX side the process's
 native build. Skipped where that build has no AMX (the CPU lacks amx_int8, or the OS refused
