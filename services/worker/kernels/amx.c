@@ -1,8 +1,9 @@
 /* Prefill GEMMs on AMX int8 tiles (Sapphire Rapids and later), for the eight-row interleaved
  * layouts: Q4 (matmul.c: Q4_0, Q4_1, and Q4_K re-laid out as Q4_1) and int8 (q8.c: Q8_0, Q8_M,
  * Q8_16). One TDPBSSD multiplies 16 activation rows by 16 weight rows over one block of 32
- * values; it replaces 32 vpdpbusd plus their broadcasts, so the float scaling after it is what
- * remains of the cost.
+ * values and replaces 32 vpdpbusd plus their broadcasts. Every block has its own scales, so its
+ * int32 results leave the tile (a tile store) before the next block: those stores, not the
+ * float scaling, bound the speed (docs/benchmarks.md, "AMX prefill GEMMs").
  *
  * Bit-identical to the AVX-512 VNNI tiles: the int32 dot of a block is exact on both paths, and
  * each output then goes through the same float operations in the same block order (the
