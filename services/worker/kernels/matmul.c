@@ -263,10 +263,12 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
                     const float *xs, const uint8_t *wq, const float *wd, const float *wm,
                     const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK;
-    if (SL_AMX && M >= SL_AMX_MIN_M && amx_usable()) {
+#if SL_AMX /* amx.c defines gemm_amx_body only then (an -O0 build would not link) */
+    if (M >= SL_AMX_MIN_M && amx_usable()) {
         gemm_amx_body(AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
         return;
     }
+#endif
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
         const uint8_t *wg = wq + g * nb * Q4X8_BLOCK;
