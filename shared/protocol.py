@@ -307,9 +307,31 @@ class Scripts:
         same request whose TTL becomes ``retention_s`` with the stream's (only when the script
         writes and ``retention_s`` is not 0).
         """
-        keys_ = [keys.events(rid), keys.lease(rid), keys.cancel(rid), *also_expire]
-        args: list[Any] = [owner, lease_ms, maxlen, retention_s, SCHEMA_VERSION, body]
+        keys_, args = self.publish_call(
+            rid, owner, body, lease_ms=lease_ms, maxlen=maxlen, retention_s=retention_s,
+            also_expire=also_expire,
+        )  # fmt: skip
         return int(await self._publish(keys_, args))
+
+    @property
+    def publish_source(self) -> str:
+        """The ``PUBLISH`` script as this client runs it (with the doorbell on a cluster)."""
+        return str(self._publish.script)
+
+    @staticmethod
+    def publish_call(
+        rid: str,
+        owner: str,
+        body: bytes,
+        *,
+        lease_ms: int,
+        maxlen: int,
+        retention_s: int,
+        also_expire: Sequence[str] = (),
+    ) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV of a ``publish`` call (for a caller that pipelines them)."""
+        keys_ = [keys.events(rid), keys.lease(rid), keys.cancel(rid), *also_expire]
+        return keys_, [owner, lease_ms, maxlen, retention_s, SCHEMA_VERSION, body]
 
     async def acquire(self, rid: str, owner: str, lease_ms: int) -> bool:
         """Run ``ACQUIRE``: whether ``owner`` holds the lease now."""
