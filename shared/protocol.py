@@ -290,27 +290,9 @@ class Scripts:
         self._claim_unstarted = redis.register_script(bell(CLAIM_UNSTARTED))
         self._enqueue_bounded = redis.register_script(ENQUEUE_BOUNDED)
 
-    async def publish(
-        self,
-        rid: str,
-        owner: str,
-        body: bytes,
-        *,
-        lease_ms: int,
-        maxlen: int,
-        retention_s: int,
-        also_expire: Sequence[str] = (),
-    ) -> int:
-        """Run ``PUBLISH`` with one entry ``body``: ``LEASE_LOST``, else the cancel flag (0 or 1).
-
-        ``retention_s``: the TTL the stream gets, or 0 to leave it. ``also_expire``: keys of the
-        same request whose TTL becomes ``retention_s`` with the stream's (only when the script
-        writes and ``retention_s`` is not 0).
-        """
-        keys_, args = self.publish_call(
-            rid, owner, body, lease_ms=lease_ms, maxlen=maxlen, retention_s=retention_s,
-            also_expire=also_expire,
-        )  # fmt: skip
+    async def publish(self, keys_: list[str], args: list[Any]) -> int:
+        """Run ``PUBLISH`` with the KEYS and ARGV of ``publish_call``: ``LEASE_LOST``, else the
+        cancel flag (0 or 1)."""
         return int(await self._publish(keys_, args))
 
     @property
@@ -329,7 +311,13 @@ class Scripts:
         retention_s: int,
         also_expire: Sequence[str] = (),
     ) -> tuple[list[str], list[Any]]:
-        """The KEYS and ARGV of a ``publish`` call (for a caller that pipelines them)."""
+        """The KEYS and ARGV of ``PUBLISH`` appending one entry ``body`` (for ``publish``, or a
+        caller that pipelines them).
+
+        ``retention_s``: the TTL the stream gets, or 0 to leave it. ``also_expire``: keys of the
+        same request whose TTL becomes ``retention_s`` with the stream's (only when the script
+        writes and ``retention_s`` is not 0).
+        """
         keys_ = [keys.events(rid), keys.lease(rid), keys.cancel(rid), *also_expire]
         return keys_, [owner, lease_ms, maxlen, retention_s, SCHEMA_VERSION, body]
 

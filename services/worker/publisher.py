@@ -130,18 +130,13 @@ class Publisher:
     async def _write(self, events: Sequence[AnyEvent]) -> Outcome:
         ends = any(is_terminal(e) for e in events)
         ttl = self._ttl(ends)
-        body = encode_events(events)
-        expire = self._end_expire if ends else ()
+        keys_, args = Scripts.publish_call(
+            self.rid, self.owner, encode_events(events), lease_ms=self._lease_ms,
+            maxlen=self._maxlen, retention_s=ttl, also_expire=self._end_expire if ends else (),
+        )  # fmt: skip
         if self._pipe is None:
-            result = await self._scripts.publish(
-                self.rid, self.owner, body, lease_ms=self._lease_ms, maxlen=self._maxlen,
-                retention_s=ttl, also_expire=expire,
-            )  # fmt: skip
+            result = await self._scripts.publish(keys_, args)
         else:
-            keys_, args = Scripts.publish_call(
-                self.rid, self.owner, body, lease_ms=self._lease_ms, maxlen=self._maxlen,
-                retention_s=ttl, also_expire=expire,
-            )  # fmt: skip
             result = int(await self._pipe.call(keys_, args))
         if ttl and result != LEASE_LOST:
             self._ttl_set_at = time.monotonic()
