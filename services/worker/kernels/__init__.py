@@ -349,10 +349,20 @@ class Kernels:
                 )
         self.vectorized = bool(self.lib.sl_vectorized())
         self.isa: str = self.lib.sl_isa().decode()  # avx512vnni(+amx), avx2+vnni, avx2 or scalar
+        self.prefill_threads = 0  # SLUICE_PREFILL_THREADS (0: threads())
 
     @staticmethod
     def threads() -> int:
         return torch.get_num_threads()
+
+    def forward_threads(self, tokens_per_row: int) -> int:
+        """Threads for a forward of ``tokens_per_row`` new tokens per sequence: a prompt chunk
+        (more than one) may take ``prefill_threads``. Where the API shares the cores (``sluice
+        up`` keeps one for it during decode), nothing streams while a prompt is read, so the
+        chunk can have every core; logits do not depend on the thread count (forward.c)."""
+        if tokens_per_row > 1 and self.prefill_threads > 0:
+            return self.prefill_threads
+        return self.threads()
 
     def quantize(self, x: torch.Tensor, out: Activations) -> None:
         """Quantize rows of ``x`` (M, K) fp32, M == out.rows."""
