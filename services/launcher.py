@@ -128,6 +128,7 @@ def run_up(settings: Settings) -> int:
             note(f"no Redis at {settings.redis_url}; started a private one at {redis_url}")
         env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
         env.setdefault("SLUICE_THREADS", str(worker_threads(os.cpu_count() or 1)))
+        env.setdefault("SLUICE_PREFILL_THREADS", str(os.cpu_count() or 1))
         cli = [sys.executable, "-m", "services.cli"]
         worker = [*cli, "worker", "--model", settings.model]
         if settings.model_name:

@@ -58,6 +58,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     cpu_kernels: bool = True  # SLUICE_CPU_KERNELS: 4-bit CPU models on sluice's C kernels
     kernel_dir: str | None = None  # SLUICE_KERNEL_DIR: kernel build cache (~/.cache/sluice/kernels)
     threads: int = 0  # SLUICE_THREADS: torch CPU threads (0 = torch default)
+    # SLUICE_PREFILL_THREADS: the CPU kernels' threads for a prompt chunk (0 = SLUICE_THREADS).
+    # More than SLUICE_THREADS pays where the API shares the cores: it idles while a prompt is read.
+    prefill_threads: int = 0
     log_level: str = "info"  # SLUICE_LOG_LEVEL
     log_format: Literal["text", "json"] = "text"  # SLUICE_LOG_FORMAT: one line per event
     log_content: bool = False  # SLUICE_LOG_CONTENT: may logs carry prompt and output text?

@@ -290,8 +290,18 @@ class Scripts:
         self._claim_unstarted = redis.register_script(bell(CLAIM_UNSTARTED))
         self._enqueue_bounded = redis.register_script(ENQUEUE_BOUNDED)
 
-    async def publish(
-        self,
+    async def publish(self, keys_: list[str], args: list[Any]) -> int:
+        """Run ``PUBLISH`` with the KEYS and ARGV of ``publish_call``: ``LEASE_LOST``, else the
+        cancel flag (0 or 1)."""
+        return int(await self._publish(keys_, args))
+
+    @property
+    def publish_source(self) -> str:
+        """The ``PUBLISH`` script as this client runs it (with the doorbell on a cluster)."""
+        return str(self._publish.script)
+
+    @staticmethod
+    def publish_call(
         rid: str,
         owner: str,
         body: bytes,
@@ -300,16 +310,16 @@ class Scripts:
         maxlen: int,
         retention_s: int,
         also_expire: Sequence[str] = (),
-    ) -> int:
-        """Run ``PUBLISH`` with one entry ``body``: ``LEASE_LOST``, else the cancel flag (0 or 1).
+    ) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV of ``PUBLISH`` appending one entry ``body`` (for ``publish``, or a
+        caller that pipelines them).
 
         ``retention_s``: the TTL the stream gets, or 0 to leave it. ``also_expire``: keys of the
         same request whose TTL becomes ``retention_s`` with the stream's (only when the script
         writes and ``retention_s`` is not 0).
         """
         keys_ = [keys.events(rid), keys.lease(rid), keys.cancel(rid), *also_expire]
-        args: list[Any] = [owner, lease_ms, maxlen, retention_s, SCHEMA_VERSION, body]
-        return int(await self._publish(keys_, args))
+        return keys_, [owner, lease_ms, maxlen, retention_s, SCHEMA_VERSION, body]
 
     async def acquire(self, rid: str, owner: str, lease_ms: int) -> bool:
         """Run ``ACQUIRE``: whether ``owner`` holds the lease now."""

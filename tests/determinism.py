@@ -4,8 +4,9 @@ One request's greedy tokens and log-probabilities (the logits' own bits, through
 ``log_softmax``) are collected from the real ``TorchBackend`` (scheduler thread, prefix cache,
 chunked prefill, continuous batching) under each condition that must not change them: alone, with
 3 and 50 prompt tokens served from the prefix cache, decoded in a batch of 16 beside other
-requests, prefilled in chunks of 1, 7 and the whole prompt, and continued from the middle as a
-failover does (prompt + the tokens already generated prefilled on a fresh cache, then decoded).
+requests, prefilled in chunks of 1, 7 and the whole prompt, prefilled on 1 and 3 threads
+(``SLUICE_PREFILL_THREADS``), and continued from the middle as a failover does (prompt + the
+tokens already generated prefilled on a fresh cache, then decoded).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.worker import scheduler
+from services.worker import kernels, scheduler
 from services.worker.torch_backend import TorchBackend
 from shared.events import AnyEvent
 from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
@@ -101,6 +102,14 @@ async def check_invariance(
             patch.setattr(scheduler, "PREFILL_CHUNK", chunk)
             got = await greedy(b, ids, max_tokens)
         assert got == alone, f"prefill in chunks of {chunk} changed the output"
+
+    built = kernels.load()  # the process's kernels, which the model runs on
+    for threads in (1, 3):  # the split of a prompt chunk's rows between threads
+        _forget(b)
+        with monkeypatch.context() as patch:
+            patch.setattr(built, "prefill_threads", threads)
+            got = await greedy(b, ids, max_tokens)
+        assert got == alone, f"prefill on {threads} threads changed the output"
 
     for k in (1, max_tokens // 2):  # failover: prompt + k generated tokens prefilled afresh
         _forget(b)

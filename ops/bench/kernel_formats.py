@@ -1,7 +1,9 @@
 """Micro benchmark of the CPU kernels per weight format and instruction set, on the default model.
 
 For each GGUF given (e.g. the default Q4_1 and copies written by ``ops/bench/requantize.py``)
-and each kernel build (native: AVX-512 VNNI where the CPU has it; ``avx2``: -mavx2 -mfma only),
+and each kernel build (native: AVX-512 VNNI where the CPU has it, with AMX tiles for prefill
+where it has those; ``avx512vnni``: the native build without AMX, ``-DSL_NO_AMX``, timed beside
+it on such a CPU; ``avx2``: -mavx2 -mfma only),
 times one 190-token prefill (B = 1) and decode steps at B = 1 and B = 16 with ~200 cached tokens,
 in-process, without the scheduler (``--allow-dense``: files that load as dense torch models, e.g.
 with an older checkout on PYTHONPATH, are timed the same way). Builds and files alternate inside
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 from services.worker import kernels
-from services.worker.kernels import Kernels, build
+from services.worker.kernels import FLAGS, Kernels, build
 from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import load_model
 from services.worker.models.kernel_llama import QuantizedLlama
@@ -87,6 +89,9 @@ def main() -> None:
     native = kernels.load()
     assert native is not None, "the kernels do not build here"
     builds: dict[str, Kernels] = {native.isa: native}
+    if native.isa.endswith("+amx"):  # the same CPU without the tiles: what AMX buys
+        no_amx = [*FLAGS, "-DSL_NO_AMX"]
+        builds["avx512vnni"] = Kernels(build(flags=no_amx, directory=Path(tempfile.mkdtemp())))
     if native.isa != "avx2":
         builds["avx2"] = Kernels(build(flags=AVX2, directory=Path(tempfile.mkdtemp())))
     models: dict[str, torch.nn.Module] = {}

@@ -25,6 +25,7 @@ from redis.exceptions import (
 
 from services.worker.backend import Backend
 from services.worker.metrics import RequestTimer, WorkerMetrics
+from services.worker.publish_pipe import PublishPipe
 from services.worker.publisher import Outcome, Publisher
 from shared import keys, logs
 from shared.codec import decode_entry, decode_job, encode_job
@@ -82,6 +83,7 @@ class WorkerContext:
     rate_mark: tuple[float, int] = field(default_factory=lambda: (time.monotonic(), 0))
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     card: bytes = b""  # the encoded model card, re-published by the heartbeat when missing
+    pipe: PublishPipe | None = None  # sends each decode step's publishes as one pipeline
 
 
 async def generate(ctx: dict[str, Any], payload: bytes) -> None:
@@ -137,7 +139,7 @@ async def run_job(wc: WorkerContext, job: Job) -> None:
     """Generate ``job`` onto its stream (idempotent; resumes a lost worker's partial output)."""
     rid = job.request_id
     logs.bind(request_id=rid, model=job.model)
-    pub = Publisher(wc.redis, rid, wc.wid, wc.settings, store=job.store)
+    pub = Publisher(wc.redis, rid, wc.wid, wc.settings, store=job.store, pipe=wc.pipe)
     entries, cancel_flag, attempts, acquired = await _open(wc, job, pub)
     attempt = int(attempts or 0) + 1
     logs.bind(attempt=attempt)

@@ -38,11 +38,12 @@ from services import redis_conn
 from services.worker.backend import Backend
 from services.worker.heartbeat import VERSION, beat_once, device_of, heartbeat_loop, retire
 from services.worker.job_function import CTX_KEY, WorkerContext, generate
+from services.worker.publish_pipe import PublishPipe
 from services.worker.recovery import sweep_loop
 from shared import keys, logs
 from shared.config import Settings
 from shared.model_card import encode_card
-from shared.protocol import JOB_FUNCTION
+from shared.protocol import JOB_FUNCTION, Scripts
 
 __all__ = [
     "JOB_TIMEOUT_S",
@@ -196,6 +197,8 @@ class RunningWorker:
         self._closed = True
         self.wc.metrics.close()
         await self.arq.aclose(close_connection_pool=True)
+        if self.wc.pipe is not None:
+            await self.wc.pipe.aclose()
         await self.wc.redis.aclose()
         await self.wc.backend.stop()
 
@@ -217,6 +220,7 @@ async def start_worker(
     wc = WorkerContext(
         settings=settings, redis=redis, backend=backend, name=name, wid=wid, card=encode_card(card)
     )
+    wc.pipe = PublishPipe(redis, Scripts(redis).publish_source)
     wc.metrics.bind(
         model=name,
         wid=wid,

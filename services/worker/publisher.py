@@ -1,8 +1,9 @@
 """Appending a request's events to its Redis stream, fenced by the request lease.
 
 The publisher owns the write side of ``sluice:events:{rid}``: every batch (what one decode step
-produced for this sequence) goes out in one round trip as the protocol's ``PUBLISH`` script
-(``shared.protocol``), which (1) checks that this worker still holds ``sluice:lease:{rid}``
+produced for this sequence) goes out as one call of the protocol's ``PUBLISH`` script
+(``shared.protocol``; in the worker, pipelined with the other sequences' calls of the same step
+by ``PublishPipe``), which (1) checks that this worker still holds ``sluice:lease:{rid}``
 (re-taking it if it merely expired), (2) XADDs the whole batch as ONE entry with ``MAXLEN ~
 stream_maxlen`` (``Start`` + first text, last text + ``Usage`` + ``Finish``: one entry per step, not
 per event), (3) sets the stream's TTL to the retention when asked (first write, terminal write, then
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from services.worker.publish_pipe import PublishPipe
 from shared import keys
 from shared.codec import encode_events
 from shared.config import Settings
@@ -68,9 +70,12 @@ class Publisher:
         settings: Settings,
         *,
         store: bool = True,
+        pipe: PublishPipe | None = None,
     ) -> None:
-        """Bind to the request's keys (``store``: the job's; False shortens its retention)."""
+        """Bind to the request's keys (``store``: the job's; False shortens its retention;
+        ``pipe``: the worker's, which sends a step's publishes together)."""
         self.redis = redis
+        self._pipe = pipe
         self.rid = rid
         self.owner = owner
         self._scripts = Scripts(redis)
@@ -125,15 +130,14 @@ class Publisher:
     async def _write(self, events: Sequence[AnyEvent]) -> Outcome:
         ends = any(is_terminal(e) for e in events)
         ttl = self._ttl(ends)
-        result = await self._scripts.publish(
-            self.rid,
-            self.owner,
-            encode_events(events),
-            lease_ms=self._lease_ms,
-            maxlen=self._maxlen,
-            retention_s=ttl,
-            also_expire=self._end_expire if ends else (),
-        )
+        keys_, args = Scripts.publish_call(
+            self.rid, self.owner, encode_events(events), lease_ms=self._lease_ms,
+            maxlen=self._maxlen, retention_s=ttl, also_expire=self._end_expire if ends else (),
+        )  # fmt: skip
+        if self._pipe is None:
+            result = await self._scripts.publish(keys_, args)
+        else:
+            result = int(await self._pipe.call(keys_, args))
         if ttl and result != LEASE_LOST:
             self._ttl_set_at = time.monotonic()
         if result == LEASE_LOST:

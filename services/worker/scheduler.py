@@ -126,6 +126,10 @@ class Scheduler:
         self.reserved = 0  # sum of the admitted sequences' reservations
         # Called from the loop thread after each decode step with (seconds, sequences).
         self.on_step: Callable[[float, int], None] | None = None
+        # A decode step's event batches, delivered together once every sequence has its token:
+        # the event loop then wakes its publishers in one turn, and the worker sends the step
+        # as one pipeline (``PublishPipe``) instead of a round trip per sequence.
+        self._step_out: list[tuple[SequenceState, list[AnyEvent]]] | None = None
         self.cache = KVCache(
             layers=cfg.num_layers,
             slots=max_batch,
@@ -301,8 +305,14 @@ class Scheduler:
         for seq in seqs:
             seq.kv_len += 1
         rows = self._masked(logits, pending).cpu()
-        for i, seq in enumerate(seqs):
-            self._confined(seq, self._advance, seq, rows[i], [])
+        self._step_out = []
+        try:
+            for i, seq in enumerate(seqs):
+                self._confined(seq, self._advance, seq, rows[i], [])
+        finally:
+            out, self._step_out = self._step_out, None
+            for seq, events in out:
+                seq.emit(events)
         if self.on_step is not None:
             self.on_step(time.perf_counter() - began, len(seqs))
 
@@ -387,6 +397,12 @@ class Scheduler:
         if reason is not None:
             events.extend(seq.decoder.finish(reason))
             self._release(seq)  # before emitting: a caller that saw Finish sees a free slot
-            seq.emit(events)
+            self._deliver(seq, events)
         elif events:
+            self._deliver(seq, events)
+
+    def _deliver(self, seq: SequenceState, events: list[AnyEvent]) -> None:
+        if self._step_out is None:
             seq.emit(events)
+        else:
+            self._step_out.append((seq, events))

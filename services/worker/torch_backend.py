@@ -271,6 +271,7 @@ class TorchBackend:
             dtype=settings.dtype,
             cpu_kernels=settings.cpu_kernels,
             kernel_dir=settings.kernel_dir,
+            prefill_threads=settings.prefill_threads,
         )
         return cls(
             loaded,

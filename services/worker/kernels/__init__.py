@@ -1,5 +1,5 @@
-"""sluice's CPU kernels (``matmul.c``, ``q8.c``, ``attention.c``, ``forward.c``): built on first
-use, loaded with ctypes.
+"""sluice's CPU kernels (``matmul.c``, ``q8.c``, ``amx.c``, ``attention.c``, ``forward.c``): built
+on first use, loaded with ctypes.
 
 Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
 cache directory, loading the library, and stating its ABI on the Python side. Knows nothing about
@@ -17,8 +17,10 @@ as ``Kernels.lib.sl_*`` by the quantized model, which owns their buffers.
 
 The instruction set is chosen at build time from the compiler's target: ``-march=native``
 defines ``__AVX512VNNI__`` etc. on a CPU that has them, and the C picks AVX-512 VNNI, AVX2 + FMA
-or its generic loops (``Kernels.isa`` says which). The tests also build the portable scalar
-variant and an AVX2-only one and compare all of them to float64 references.
+or its generic loops (``Kernels.isa`` says which); with AVX-512 VNNI, AMX int8 tiles too for
+prefill GEMMs where the CPU has them and the OS grants the tile state at load (``amx.c``; the
+ISA then reads ``avx512vnni+amx``; ``-DSL_NO_AMX`` builds without). The tests also build the
+portable scalar variant and an AVX2-only one and compare all of them to float64 references.
 
 Why ctypes and plain C rather than a torch extension: the files build in about two seconds
 with no torch headers, and a call costs a couple of microseconds. The library links the same
@@ -67,7 +69,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "matmul.c", HERE / "q8.c", HERE / "attention.c", HERE / "forward.c"]
+SOURCES = [HERE / f for f in ("matmul.c", "q8.c", "amx.c", "attention.c", "forward.c")]
 HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
 WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *WARNINGS]
@@ -346,11 +348,21 @@ class Kernels:
                     f"{mirror.__name__} {ctypes.sizeof(mirror)}"
                 )
         self.vectorized = bool(self.lib.sl_vectorized())
-        self.isa: str = self.lib.sl_isa().decode()  # avx512vnni, avx2+vnni, avx2 or scalar
+        self.isa: str = self.lib.sl_isa().decode()  # avx512vnni(+amx), avx2+vnni, avx2 or scalar
+        self.prefill_threads = 0  # SLUICE_PREFILL_THREADS (0: threads())
 
     @staticmethod
     def threads() -> int:
         return torch.get_num_threads()
+
+    def forward_threads(self, tokens_per_row: int) -> int:
+        """Threads for a forward of ``tokens_per_row`` new tokens per sequence: a prompt chunk
+        (more than one) may take ``prefill_threads``. Where the API shares the cores (``sluice
+        up`` keeps one for it during decode), nothing streams while a prompt is read, so the
+        chunk can have every core; logits do not depend on the thread count (forward.c)."""
+        if tokens_per_row > 1 and self.prefill_threads > 0:
+            return self.prefill_threads
+        return self.threads()
 
     def quantize(self, x: torch.Tensor, out: Activations) -> None:
         """Quantize rows of ``x`` (M, K) fp32, M == out.rows."""

@@ -5,7 +5,7 @@
 int sl_vectorized(void) { return SL_AVX2 ? (SL_AVX512_VNNI ? 2 : 1) : 0; }
 
 const char *sl_isa(void) {
-    if (SL_AVX512_VNNI) return "avx512vnni";
+    if (SL_AVX512_VNNI) return amx_usable() ? "avx512vnni+amx" : "avx512vnni";
     if (SL_VNNI) return "avx2+vnni";
     return SL_AVX2 ? "avx2" : "scalar";
 }
@@ -263,6 +263,12 @@ void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
                     const float *xs, const uint8_t *wq, const float *wd, const float *wm,
                     const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK;
+#if SL_AMX /* amx.c defines gemm_amx_body only then (an -O0 build would not link) */
+    if (M >= SL_AMX_MIN_M && amx_usable()) {
+        gemm_amx_body(AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
+        return;
+    }
+#endif
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
         const uint8_t *wg = wq + g * nb * Q4X8_BLOCK;

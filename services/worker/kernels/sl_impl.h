@@ -35,6 +35,20 @@
 #define SL_AVX512_VNNI 0
 #endif
 
+/* AMX int8 tiles for prefill (amx.c), where the compiler targets them; -DSL_NO_AMX builds
+ * without them (the tests compare both builds bit for bit). */
+#if SL_AVX512_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(SL_NO_AMX)
+#define SL_AMX 1
+#else
+#define SL_AMX 0
+#endif
+/* Fewer activation rows (decode of small batches) stay on the VNNI tiles. A tile costs the same
+ * for 1 or 16 rows (rows past M are zeros): from 8 rows it was 1.0-1.8x the VNNI tiles' speed
+ * on the default model's shapes, at 6 0.8-1.6x, at 4 0.7-1.0x (ops/bench/amx_gemm.py). */
+#ifndef SL_AMX_MIN_M
+#define SL_AMX_MIN_M 8
+#endif
+
 /* Activation rows per weight pass: a weight block is unpacked once per MT rows. Eight with
  * AVX-512, whose 32 vector registers hold eight accumulators beside the unpacked block. */
 #ifndef MT
@@ -108,6 +122,13 @@ SL_INTERNAL void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq,
 SL_INTERNAL void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                                 const float *xs, const int8_t *wq, const float *wd, const float *wm,
                                 int sub16, const float *bias, float *y, int accumulate);
+/* 1 when amx.c's GEMMs can run: built with AMX and the kernel granted the tile state */
+SL_INTERNAL int amx_usable(void);
+/* the eight-row interleaved GEMMs on AMX tiles (M >= SL_AMX_MIN_M; amx.c documents them) */
+enum { AMX_Q4, AMX_Q8, AMX_Q8_16 };
+SL_INTERNAL void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq,
+                               const float *xd, const float *xs, const void *wq, const float *wd,
+                               const float *wm, const float *bias, float *y, int accumulate);
 /* attention over the slot KV cache, decode and prefill (attention.c documents the arguments) */
 SL_INTERNAL void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
                                 const float *cos_table, const float *sin_table,

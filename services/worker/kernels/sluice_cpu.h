@@ -25,10 +25,15 @@
  * VNNI (vpdpbusd: four byte products summed into int32 in one instruction), else AVX2 + FMA,
  * else the generic scalar loops, which are the reference the tests compare every variant to.
  * Each SIMD variant sits beside the generic code it replaces and computes the same results.
+ * With AVX-512 VNNI, where the compiler also targets AMX int8 tiles (Sapphire Rapids and later)
+ * and the OS grants the tile state at load, GEMMs of 8 or more activation rows (prefill,
+ * batched decode) run on the tiles (amx.c), bit-identical to the VNNI tiles; -DSL_NO_AMX leaves
+ * them out.
  *
  * Files: sluice_cpu.h (this: the ABI: every exported function and struct), sl_impl.h (vector
  * helpers, the stages shared between files), matmul.c (activation quantization, the 4-bit
- * GEMMs), q8.c (the int8 GEMMs), attention.c (attention), forward.c (the whole step).
+ * GEMMs), q8.c (the int8 GEMMs), amx.c (both on AMX tiles, for prefill), attention.c
+ * (attention), forward.c (the whole step).
  */
 #ifndef SLUICE_CPU_H
 #define SLUICE_CPU_H

@@ -182,6 +182,7 @@ def load_model(
     dtype: str = "auto",
     cpu_kernels: bool = True,
     kernel_dir: str | None = None,
+    prefill_threads: int = 0,
 ) -> LoadedModel:
     """Load ``spec`` (``"smollm2"``, a ``.gguf`` file or a Hugging Face directory).
 
@@ -194,6 +195,7 @@ def load_model(
             int4 kernels).
         kernel_dir: where the kernels are built and cached (``SLUICE_KERNEL_DIR``); None for
             ``kernels.default_dir()``.
+        prefill_threads: the kernels' threads for a prompt chunk (0: torch's thread count).
 
     Returns:
         The loaded model, tokenizer and card.
@@ -221,6 +223,8 @@ def load_model(
     wants_kernels = dev.type == "cpu" and (dtype == "int4" or gguf_auto)
     built_in = Path(kernel_dir) if kernel_dir else None
     k = kernels.load(built_in) if cpu_kernels and wants_kernels else None
+    if k is not None:
+        k.prefill_threads = prefill_threads
     if path.is_dir():
         model, tokenizer, card = load_hf_dir(path, public)
     elif path.suffix == ".gguf":

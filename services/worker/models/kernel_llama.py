@@ -285,12 +285,12 @@ class QuantizedLlama(nn.Module):
         logits = torch.empty(B * n_logits, self.head.out_features)
         starts = batch.start_index.contiguous()  # (B,) position of each row's first new token
         slots = batch.slot_index.contiguous()
-        scratch, _buffers = self._scratch(rows, span)  # the buffers live until the call returns
+        threads = self.kernels.forward_threads(T)
+        scratch, _buffers = self._scratch(rows, span, threads)  # they live until the call returns
         self.kernels.lib.sl_forward(
             ctypes.byref(self.struct), B, T, x.data_ptr(), starts.data_ptr(), slots.data_ptr(),
             cache.k.data_ptr(), cache.v.data_ptr(), cache.slots, cache.capacity, span,
-            ctypes.byref(scratch), logits.data_ptr(), n_logits,
-            self.kernels.threads(),
+            ctypes.byref(scratch), logits.data_ptr(), n_logits, threads,
         )  # fmt: skip
         return logits.view(B, n_logits, -1)
 
@@ -302,11 +302,11 @@ class QuantizedLlama(nn.Module):
         rows = QuantBlocks(table.qtype, table.data[ids], (ids.shape[0], table.shape[1]))
         return dequantize_blocks(rows).contiguous()
 
-    def _scratch(self, rows: int, span: int) -> tuple[Scratch, list[torch.Tensor]]:
+    def _scratch(self, rows: int, span: int, threads: int) -> tuple[Scratch, list[torch.Tensor]]:
         """Buffers for ``rows`` token rows attending over up to ``span`` keys: kept for decode
         batches (at most ``max_batch`` rows, reused every step), made afresh for a prefill
         chunk (its buffers are small beside its work, and chunk sizes vary)."""
-        cfg, threads = self.config, self.kernels.threads()
+        cfg = self.config
         held = self.scratch.get(rows)
         if held is None or held[1][-1].numel() < threads * span:
             act = Activations(rows, self.act_width)

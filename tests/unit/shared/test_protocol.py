@@ -51,9 +51,10 @@ def scripts(fake: fakeredis.FakeAsyncRedis) -> Scripts:
 
 
 async def publish(scripts: Scripts, owner: str, *events: AnyEvent, ttl: int = RETENTION_S) -> int:
-    return await scripts.publish(
+    call = Scripts.publish_call(
         RID, owner, encode_events(events), lease_ms=LEASE_MS, maxlen=1000, retention_s=ttl
     )
+    return await scripts.publish(*call)
 
 
 def start() -> Start:

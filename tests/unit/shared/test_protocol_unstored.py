@@ -53,13 +53,15 @@ async def test_publish_expires_the_extra_keys_with_the_stream(
         [Start(request_id=RID, model="m", prompt_tokens=1), Finish(reason="end_turn")]
     )
     await Scripts(fake).publish(
-        RID,
-        "w1",
-        body,
-        lease_ms=LEASE_MS,
-        maxlen=1000,
-        retention_s=UNSTORED_S,
-        also_expire=[keys.request(RID)],
+        *Scripts.publish_call(
+            RID,
+            "w1",
+            body,
+            lease_ms=LEASE_MS,
+            maxlen=1000,
+            retention_s=UNSTORED_S,
+            also_expire=[keys.request(RID)],
+        )
     )
     assert 0 < await fake.ttl(keys.events(RID)) <= UNSTORED_S
     assert 0 < await fake.ttl(keys.request(RID)) <= UNSTORED_S
@@ -70,13 +72,15 @@ async def test_a_fenced_publish_expires_nothing(fake: fakeredis.FakeAsyncRedis) 
     await request_hash(fake, "0")
     await fake.set(keys.lease(RID), "w2")
     result = await Scripts(fake).publish(
-        RID,
-        "w1",
-        encode_events([Finish(reason="end_turn")]),
-        lease_ms=LEASE_MS,
-        maxlen=1000,
-        retention_s=UNSTORED_S,
-        also_expire=[keys.request(RID)],
+        *Scripts.publish_call(
+            RID,
+            "w1",
+            encode_events([Finish(reason="end_turn")]),
+            lease_ms=LEASE_MS,
+            maxlen=1000,
+            retention_s=UNSTORED_S,
+            also_expire=[keys.request(RID)],
+        )
     )
     assert result == LEASE_LOST
     assert await fake.ttl(keys.request(RID)) > UNSTORED_S

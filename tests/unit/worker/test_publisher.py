@@ -1,21 +1,29 @@
 """The publisher's guarantees, on real Redis (its batches are Lua scripts, which fakeredis only
-runs with lupa installed): envelopes, TTL, MAXLEN, fencing, cancel flag, one terminal."""
+runs with lupa installed): envelopes, TTL, MAXLEN, fencing, cancel flag, one terminal. Each test
+runs twice: publishing directly and through the worker's ``PublishPipe``."""
 
 from __future__ import annotations
 
 import pytest
 import redis.asyncio as aioredis
 
+from services.worker.publish_pipe import PublishPipe
 from services.worker.publisher import Outcome, Publisher
 from shared import keys
 from shared.codec import SCHEMA_VERSION, decode_entry
 from shared.config import Settings
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage
+from shared.protocol import Scripts
 from tests.invariants import check_stream
 
 pytestmark = pytest.mark.integration
 
 RID = "req-pub"
+
+
+@pytest.fixture(params=["direct", "piped"])
+def pipe(request: pytest.FixtureRequest, redis: aioredis.Redis) -> PublishPipe | None:
+    return PublishPipe(redis, Scripts(redis).publish_source) if request.param == "piped" else None
 
 
 def settings(**kw: object) -> Settings:
@@ -30,8 +38,10 @@ def start() -> Start:
     return Start(request_id=RID, model="m", prompt_tokens=3)
 
 
-async def test_a_steps_batch_is_one_entry_with_ttl(redis: aioredis.Redis) -> None:
-    pub = Publisher(redis, RID, "w1", settings(retention_s=120))
+async def test_a_steps_batch_is_one_entry_with_ttl(
+    redis: aioredis.Redis, pipe: PublishPipe | None
+) -> None:
+    pub = Publisher(redis, RID, "w1", settings(retention_s=120), pipe=pipe)
     assert await pub.acquire()
     assert await pub.publish([start(), TextDelta(text="a", token_ids=[1])]) is Outcome.OK
     assert await pub.publish([]) is Outcome.OK  # an empty step writes nothing
@@ -43,8 +53,8 @@ async def test_a_steps_batch_is_one_entry_with_ttl(redis: aioredis.Redis) -> Non
     assert await redis.get(keys.lease(RID)) == b"w1"
 
 
-async def test_exactly_one_terminal(redis: aioredis.Redis) -> None:
-    pub = Publisher(redis, RID, "w1", settings())
+async def test_exactly_one_terminal(redis: aioredis.Redis, pipe: PublishPipe | None) -> None:
+    pub = Publisher(redis, RID, "w1", settings(), pipe=pipe)
     assert await pub.acquire()
     await pub.publish([start()])
     done: list[AnyEvent] = [Usage(input_tokens=3, output_tokens=0), Finish(reason="end_turn")]
@@ -56,8 +66,10 @@ async def test_exactly_one_terminal(redis: aioredis.Redis) -> None:
     check_stream(await stream(redis))
 
 
-async def test_ensure_terminal_closes_an_open_stream(redis: aioredis.Redis) -> None:
-    pub = Publisher(redis, RID, "w1", settings())
+async def test_ensure_terminal_closes_an_open_stream(
+    redis: aioredis.Redis, pipe: PublishPipe | None
+) -> None:
+    pub = Publisher(redis, RID, "w1", settings(), pipe=pipe)
     assert await pub.acquire()
     await pub.publish([start(), TextDelta(text="a", token_ids=[1])])
     assert await pub.ensure_terminal(lambda: [Error(kind="internal", message="boom")])
@@ -66,8 +78,10 @@ async def test_ensure_terminal_closes_an_open_stream(redis: aioredis.Redis) -> N
     assert isinstance(events[-1], Error)
 
 
-async def test_cancel_flag_rides_on_the_publish(redis: aioredis.Redis) -> None:
-    pub = Publisher(redis, RID, "w1", settings())
+async def test_cancel_flag_rides_on_the_publish(
+    redis: aioredis.Redis, pipe: PublishPipe | None
+) -> None:
+    pub = Publisher(redis, RID, "w1", settings(), pipe=pipe)
     assert await pub.acquire()
     assert await pub.publish([start()]) is Outcome.OK
     await redis.set(keys.cancel(RID), 1)
@@ -75,8 +89,10 @@ async def test_cancel_flag_rides_on_the_publish(redis: aioredis.Redis) -> None:
     assert len(await stream(redis)) == 2  # the step was still written
 
 
-async def test_fenced_when_another_worker_owns_the_lease(redis: aioredis.Redis) -> None:
-    pub = Publisher(redis, RID, "w1", settings())
+async def test_fenced_when_another_worker_owns_the_lease(
+    redis: aioredis.Redis, pipe: PublishPipe | None
+) -> None:
+    pub = Publisher(redis, RID, "w1", settings(), pipe=pipe)
     assert await pub.acquire()
     await pub.publish([start()])
     await redis.set(keys.lease(RID), "recovering:w2")
@@ -88,10 +104,10 @@ async def test_fenced_when_another_worker_owns_the_lease(redis: aioredis.Redis) 
     assert await redis.get(keys.lease(RID)) == b"recovering:w2"
 
 
-async def test_lease_rules(redis: aioredis.Redis) -> None:
-    other = Publisher(redis, RID, "w2", settings())
+async def test_lease_rules(redis: aioredis.Redis, pipe: PublishPipe | None) -> None:
+    other = Publisher(redis, RID, "w2", settings(), pipe=pipe)
     assert await other.acquire()
-    pub = Publisher(redis, RID, "w1", settings())
+    pub = Publisher(redis, RID, "w1", settings(), pipe=pipe)
     assert not await pub.acquire()  # a live owner keeps it
     await redis.set(keys.lease(RID), "recovering:w3")
     assert await pub.acquire()  # a sweeper's claim yields to the worker that starts the job
@@ -102,8 +118,8 @@ async def test_lease_rules(redis: aioredis.Redis) -> None:
     assert not await redis.exists(keys.lease(RID))
 
 
-async def test_maxlen_caps_the_stream(redis: aioredis.Redis) -> None:
-    pub = Publisher(redis, RID, "w1", settings(stream_maxlen=10))
+async def test_maxlen_caps_the_stream(redis: aioredis.Redis, pipe: PublishPipe | None) -> None:
+    pub = Publisher(redis, RID, "w1", settings(stream_maxlen=10), pipe=pipe)
     assert await pub.acquire()
     await pub.publish([start()])
     for i in range(600):
@@ -113,12 +129,17 @@ async def test_maxlen_caps_the_stream(redis: aioredis.Redis) -> None:
 
 
 async def test_store_false_keeps_the_full_retention_until_the_terminal_cuts_it(
-    redis: aioredis.Redis,
+    redis: aioredis.Redis, pipe: PublishPipe | None
 ) -> None:
     await redis.hset(keys.request(RID), "job", b"x")
     await redis.expire(keys.request(RID), 1000)
     pub = Publisher(
-        redis, RID, "w1", settings(retention_s=1000, unstored_retention_s=30), store=False
+        redis,
+        RID,
+        "w1",
+        settings(retention_s=1000, unstored_retention_s=30),
+        store=False,
+        pipe=pipe,
     )
     assert await pub.acquire()
     await pub.publish([start(), TextDelta(text="a", token_ids=[1])])
@@ -129,17 +150,21 @@ async def test_store_false_keeps_the_full_retention_until_the_terminal_cuts_it(
     assert 0 < await redis.ttl(keys.request(RID)) <= 30
 
 
-async def test_stored_terminal_leaves_the_request_hash_alone(redis: aioredis.Redis) -> None:
+async def test_stored_terminal_leaves_the_request_hash_alone(
+    redis: aioredis.Redis, pipe: PublishPipe | None
+) -> None:
     await redis.hset(keys.request(RID), "job", b"x")
     await redis.expire(keys.request(RID), 1000)
-    pub = Publisher(redis, RID, "w1", settings(retention_s=500, unstored_retention_s=30))
+    pub = Publisher(redis, RID, "w1", settings(retention_s=500, unstored_retention_s=30), pipe=pipe)
     assert await pub.acquire()
     await pub.publish([start(), Finish(reason="end_turn")])
     assert 30 < await redis.ttl(keys.events(RID)) <= 500
     assert 500 < await redis.ttl(keys.request(RID)) <= 1000
 
 
-async def test_a_fenced_unstored_terminal_shortens_nothing(redis: aioredis.Redis) -> None:
+async def test_a_fenced_unstored_terminal_shortens_nothing(
+    redis: aioredis.Redis, pipe: PublishPipe | None
+) -> None:
     await redis.hset(keys.request(RID), "job", b"x")
     await redis.expire(keys.request(RID), 1000)
     await redis.set(keys.lease(RID), "w2")
@@ -149,8 +174,10 @@ async def test_a_fenced_unstored_terminal_shortens_nothing(redis: aioredis.Redis
     assert await redis.exists(keys.events(RID)) == 0
 
 
-async def test_the_ttl_is_set_first_and_last_not_on_every_step(redis: aioredis.Redis) -> None:
-    pub = Publisher(redis, RID, "w1", settings(retention_s=1000))
+async def test_the_ttl_is_set_first_and_last_not_on_every_step(
+    redis: aioredis.Redis, pipe: PublishPipe | None
+) -> None:
+    pub = Publisher(redis, RID, "w1", settings(retention_s=1000), pipe=pipe)
     assert await pub.acquire()
     await pub.publish([start()])
     assert 990 < await redis.ttl(keys.events(RID)) <= 1000
