@@ -128,7 +128,6 @@ def run_up(settings: Settings) -> int:
             note(f"no Redis at {settings.redis_url}; started a private one at {redis_url}")
         env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
         env.setdefault("SLUICE_THREADS", str(worker_threads(os.cpu_count() or 1)))
-        env.setdefault("SLUICE_PREFILL_THREADS", str(os.cpu_count() or 1))
         cli = [sys.executable, "-m", "services.cli"]
         worker = [*cli, "worker", "--model", settings.model]
         if settings.model_name:
@@ -231,13 +230,16 @@ def _dead_child(children: list[subprocess.Popen[bytes]]) -> subprocess.Popen[byt
 
 
 def worker_threads(cores: int) -> int:
-    """Torch threads for a worker that shares this machine with the API and Redis.
+    """The CPU kernels' threads for a worker that shares this machine with the API and Redis.
 
-    Leave one core to the API and Redis: OpenMP threads spin-wait on a descheduled peer, so a
-    worker using every core slows down many times over whenever the API is busy
-    (docs/benchmarks.md, "Whole stack"). ``SLUICE_THREADS`` in the environment wins.
+    Every core. The API, Redis and the worker's own event loop need ~10-15 % of a core at one
+    stream; a step whose thread they preempt waits for it at the next barrier, but the second
+    core's memory bandwidth is worth more: on 2 cores one stream decodes as fast with 2 threads
+    as with 1 (Q4_0) or 1.23x faster (Q8_0), and 4 or 16 streams 1.19-1.42x faster
+    (docs/benchmarks.md, "Worker threads under sluice up"). ``SLUICE_THREADS`` in the
+    environment wins: leave a core free on a machine that is busy with other work.
     """
-    return max(1, cores - 1)
+    return max(1, cores)
 
 
 def pick_model(settings: Settings, live: list[str]) -> str:

@@ -1,7 +1,7 @@
 """The whole stack against llama.cpp's own HTTP server, on one GGUF, as a new user runs each.
 
 Ours: ``sluice up --model FILE`` with its defaults (API + a private Redis + one worker; the
-launcher gives the worker one thread on 2 cores). llama.cpp: ``llama-server -m FILE -np 16 -t 2
+launcher gives the worker every core). llama.cpp: ``llama-server -m FILE -np 16 -t 2
 -fa off`` (16 slots, 2 threads, flash attention off). The servers run back to back on the same
 cores, llama-server first, each under the same load: one load generator (this process) with C
 concurrent clients (``--concurrency``, default 1 4 16), each sending ``--rounds`` streaming

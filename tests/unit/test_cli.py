@@ -173,10 +173,10 @@ def test_up_refuses_a_busy_port_before_starting_anything() -> None:
     assert "started a private one" not in out.stderr
 
 
-def test_up_leaves_a_core_to_the_api_and_redis() -> None:
+def test_up_gives_the_worker_every_core() -> None:
     from services.launcher import worker_threads
 
-    assert [worker_threads(n) for n in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert [worker_threads(n) for n in (0, 1, 2, 16)] == [1, 1, 2, 16]
 
 
 @pytest.mark.parametrize("command", [["export", "req_x", "-o", "-"], ["status"]])
