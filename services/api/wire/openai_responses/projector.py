@@ -98,6 +98,11 @@ class Projector:
 
     Lifecycle: ``response.created`` and ``response.in_progress`` before anything else; each item
     added → deltas → done before the next; one terminal lifecycle event with every final item.
+
+    No ``coalesce`` (unlike Chat and Messages): every frame carries a ``sequence_number``, and a
+    client resumes with ``starting_after`` one, so frame N must be the same event in the live
+    stream and in every later projection of the log. Folding a backlog depends on timing, and
+    would renumber everything after the fold.
     """
 
     def __init__(self, ctx: Context) -> None:
