@@ -6,12 +6,8 @@ cache directory, loading the library, and stating its ABI on the Python side. Kn
 models: ``services.worker.models.kernel_llama`` decides what to call.
 
 The ABI is ``sluice_cpu.h``, which declares every exported function and struct (``sl_impl.h``
-holds what the C files share and nothing exported). Its Python side is kept here, so a change to
-the header has one place to follow: ``SIGNATURES`` (every exported function's argument types,
-set as ctypes ``argtypes`` at load, so a wrong argument count fails loudly) and the
-``ctypes.Structure`` mirrors of the header's structs (``MIRRORS``: the GGUF block structs and
-``Linear``, ``Layer``, ``Model``, ``Scratch``), whose sizes are compared with the library's
-``sl_sizeof`` at load (the C side asserts them statically). The activation kernels have typed
+holds what the C files share and nothing exported); its Python side (argument types and struct
+mirrors) is ``abi.py``, re-exported here. The activation kernels have typed
 methods on ``Kernels`` that take tensors; the GEMMs and the whole forward step are called directly
 as ``Kernels.lib.sl_*`` by the quantized model, which owns their buffers.
 
@@ -44,10 +40,23 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
 import torch
+
+from services.worker.kernels.abi import (
+    MIRRORS,
+    RESTYPES,
+    SIGNATURES,
+    BlockQ4_0,
+    BlockQ4_1,
+    BlockQ4K,
+    BlockQ8_0,
+    Layer,
+    Linear,
+    Model,
+    Scratch,
+)
 
 __all__ = [
     "MIRRORS",
@@ -73,159 +82,6 @@ SOURCES = [HERE / f for f in ("matmul.c", "q8.c", "amx.c", "attention.c", "forwa
 HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
 WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *WARNINGS]
-
-_P, _I, _F = c_void_p, c_int64, c_float
-SIGNATURES: dict[str, list[type]] = {
-    "sl_vectorized": [],
-    "sl_isa": [],
-    "sl_sizeof": [ctypes.c_char_p],
-    "sl_quantize": [_P, _I, _I, _P, _P, _P, c_int],
-    "sl_rmsnorm_quantize": [_P, _P, _F, _I, _I, _P, _P, _P, _P, c_int],
-    "sl_swiglu_quantize": [_P, _I, _I, _P, _P, _P, _P, c_int],
-    "sl_gemm_q4_1": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
-    "sl_gemm_q8_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, c_int, c_int],
-    "sl_gemm_q4_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
-    "sl_linear_forward": [_P, _I, _P, _P, _P, _P, c_int, c_int],
-    "sl_attention": [
-        *(_I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _I, c_int)
-    ],
-    "sl_forward": [_P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, c_int],
-}
-
-
-class BlockQ4_0(ctypes.Structure):
-    """``sl_block_q4_0``: a GGUF Q4_0 block (f16 scale, 16 bytes of nibbles)."""
-
-    _fields_ = [("d", ctypes.c_uint16), ("qs", ctypes.c_uint8 * 16)]
-
-
-class BlockQ4_1(ctypes.Structure):
-    """``sl_block_q4_1``: a GGUF Q4_1 block (f16 scale and minimum, 16 bytes of nibbles)."""
-
-    _fields_ = [("d", ctypes.c_uint16), ("m", ctypes.c_uint16), ("qs", ctypes.c_uint8 * 16)]
-
-
-class BlockQ8_0(ctypes.Structure):
-    """``sl_block_q8_0``: a GGUF Q8_0 block (f16 scale, 32 int8 values)."""
-
-    _fields_ = [("d", ctypes.c_uint16), ("qs", ctypes.c_int8 * 32)]
-
-
-class BlockQ5_0(ctypes.Structure):
-    """``sl_block_q5_0``: a GGUF Q5_0 block (f16 scale, 32 fifth bits, 16 bytes of nibbles)."""
-
-    _fields_ = [("d", ctypes.c_uint16), ("qh", ctypes.c_uint8 * 4), ("qs", ctypes.c_uint8 * 16)]
-
-
-class BlockQ5_1(ctypes.Structure):
-    """``sl_block_q5_1``: a GGUF Q5_1 block (Q5_0 with an f16 minimum)."""
-
-    _fields_ = [
-        ("d", ctypes.c_uint16),
-        ("m", ctypes.c_uint16),
-        ("qh", ctypes.c_uint8 * 4),
-        ("qs", ctypes.c_uint8 * 16),
-    ]
-
-
-class BlockQ5K(ctypes.Structure):
-    """``sl_block_q5_K``: a GGUF Q5_K super-block (Q4_K plus 32 bytes of fifth bits)."""
-
-    _fields_ = [
-        ("d", ctypes.c_uint16),
-        ("dmin", ctypes.c_uint16),
-        ("scales", ctypes.c_uint8 * 12),
-        ("qh", ctypes.c_uint8 * 32),
-        ("qs", ctypes.c_uint8 * 128),
-    ]
-
-
-class BlockQ6K(ctypes.Structure):
-    """``sl_block_q6_K``: a GGUF Q6_K super-block (low nibbles, high bit pairs, int8 scale per
-    16 values, f16 scale)."""
-
-    _fields_ = [
-        ("ql", ctypes.c_uint8 * 128),
-        ("qh", ctypes.c_uint8 * 64),
-        ("scales", ctypes.c_int8 * 16),
-        ("d", ctypes.c_uint16),
-    ]
-
-
-class BlockQ4K(ctypes.Structure):
-    """``sl_block_q4_K``: a GGUF Q4_K super-block of 256 values (f16 d and dmin, 12 bytes of
-    6-bit scales and minimums, 128 bytes of nibbles)."""
-
-    _fields_ = [
-        ("d", ctypes.c_uint16),
-        ("dmin", ctypes.c_uint16),
-        ("scales", ctypes.c_uint8 * 12),
-        ("qs", ctypes.c_uint8 * 128),
-    ]
-
-
-class Linear(ctypes.Structure):
-    """``sl_linear``: a packed linear's buffers and its format (``SL_*``: 2 Q4_0, 3 Q4_1, 8 Q8_0
-    as ggml numbers them, 64 Q8_M, 65 Q8_16)."""
-
-    _fields_ = [
-        ("q", _P),
-        ("d", _P),
-        ("m", _P),
-        ("bias", _P),
-        ("n", _I),
-        ("k", _I),
-        ("type", _I),
-    ]
-
-
-class Layer(ctypes.Structure):
-    """``sl_layer``: one block's norms and linears."""
-
-    _fields_ = [
-        ("input_norm", _P),
-        ("post_norm", _P),
-        ("q_norm", _P),
-        ("k_norm", _P),
-        ("qkv", Linear),
-        ("o", Linear),
-        ("gate_up", Linear),
-        ("down", Linear),
-    ]
-
-
-class Model(ctypes.Structure):
-    """``sl_model``: shapes, RoPE tables, layers and the head."""
-
-    _fields_ = [
-        ("layers", _I),
-        ("hidden", _I),
-        ("inner", _I),
-        ("heads", _I),
-        ("kv_heads", _I),
-        ("head_dim", _I),
-        ("eps", _F),
-        ("cos", _P),
-        ("sin", _P),
-        ("final_norm", _P),
-        ("layer", ctypes.POINTER(Layer)),
-        ("head", Linear),
-    ]
-
-
-class Scratch(ctypes.Structure):
-    """``sl_scratch``: one step's buffers."""
-
-    _fields_ = [
-        ("xq", _P),
-        ("xd", _P),
-        ("xs", _P),
-        ("tmp", _P),
-        ("qkv", _P),
-        ("attended", _P),
-        ("gate_up", _P),
-        ("scores", _P),
-    ]
 
 
 def _cpu_flags() -> str:
@@ -302,28 +158,6 @@ class Activations:
         self.rows, self.width = rows, width
 
 
-# Every struct of the ABI and its ctypes mirror: their sizes are compared at load.
-MIRRORS: dict[str, type[ctypes.Structure]] = {
-    "sl_block_q4_0": BlockQ4_0,
-    "sl_block_q4_1": BlockQ4_1,
-    "sl_block_q8_0": BlockQ8_0,
-    "sl_block_q5_0": BlockQ5_0,
-    "sl_block_q5_1": BlockQ5_1,
-    "sl_block_q4_K": BlockQ4K,
-    "sl_block_q5_K": BlockQ5K,
-    "sl_block_q6_K": BlockQ6K,
-    "sl_linear": Linear,
-    "sl_layer": Layer,
-    "sl_model": Model,
-    "sl_scratch": Scratch,
-}
-_RESTYPES: dict[str, type] = {
-    "sl_vectorized": c_int,
-    "sl_isa": ctypes.c_char_p,
-    "sl_sizeof": c_int64,
-}
-
-
 class Kernels:
     """The loaded library (``lib``, argtypes set from ``SIGNATURES``) and typed methods for the
     activation kernels, which pass tensors by address (no copies, no checks beyond what the
@@ -339,7 +173,7 @@ class Kernels:
         for name, argtypes in SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.argtypes = argtypes
-            fn.restype = _RESTYPES.get(name)
+            fn.restype = RESTYPES.get(name)
         for name, mirror in MIRRORS.items():
             size = self.lib.sl_sizeof(name.encode())
             if size != ctypes.sizeof(mirror):

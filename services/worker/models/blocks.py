@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.kernels import (
+from services.worker.kernels.abi import (
     BlockQ4_0,
     BlockQ4_1,
     BlockQ4K,
