@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tokenizers import Tokenizer
+
+from shared.events import TokenLogprob, TopLogprob
 
 __all__ = [
     "SamplingConfig",
@@ -136,3 +139,26 @@ def top_logprobs(
         values, ids = torch.topk(logp, k)
         top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
     return float(logp[token_id]), top
+
+
+def token_logprob(
+    logits: torch.Tensor, token_id: int, k: int, tokenizer: Tokenizer
+) -> TokenLogprob:
+    """The chosen token's log-probability and its ``k`` best alternatives, as the wire has them
+    (each token's text as the tokenizer decodes it alone, and that text's UTF-8 bytes)."""
+    lp, top = top_logprobs(logits.float().cpu(), token_id, k)
+    decode = tokenizer.decode
+    text = decode([token_id], skip_special_tokens=False)
+    return TokenLogprob(
+        token=text,
+        logprob=lp,
+        bytes=list(text.encode()),
+        top=[
+            TopLogprob(
+                token=(t := decode([i], skip_special_tokens=False)),
+                logprob=v,
+                bytes=list(t.encode()),
+            )
+            for i, v in top
+        ],
+    )

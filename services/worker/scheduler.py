@@ -34,9 +34,9 @@ from services.worker.sampling import (
     apply_penalties,
     mask_tokens,
     sample_next_token,
-    top_logprobs,
+    token_logprob,
 )
-from shared.events import AnyEvent, FinishReason, Start, TokenLogprob, TopLogprob
+from shared.events import AnyEvent, FinishReason, Start, TokenLogprob
 from shared.jobs import Job
 
 __all__ = ["DecoderLike", "Scheduler", "SequenceState"]
@@ -94,6 +94,14 @@ class SequenceState:
         return len(self.prompt) + max(self.max_new, len(self.resume))
 
 
+Delivery = list[tuple[SequenceState, list[AnyEvent]]]  # event batches to emit, in order
+
+
+def _emit(out: Delivery) -> None:
+    for seq, events in out:
+        seq.emit(events)
+
+
 class Scheduler:
     """Runs the decode loop in its own thread over a fixed number of KV-cache slots."""
 
@@ -126,10 +134,6 @@ class Scheduler:
         self.reserved = 0  # sum of the admitted sequences' reservations
         # Called from the loop thread after each decode step with (seconds, sequences).
         self.on_step: Callable[[float, int], None] | None = None
-        # A decode step's event batches, delivered together once every sequence has its token:
-        # the event loop then wakes its publishers in one turn, and the worker sends the step
-        # as one pipeline (``PublishPipe``) instead of a round trip per sequence.
-        self._step_out: list[tuple[SequenceState, list[AnyEvent]]] | None = None
         self.cache = KVCache(
             layers=cfg.num_layers,
             slots=max_batch,
@@ -291,7 +295,9 @@ class Scheduler:
             cached_tokens=seq.cached,
             attempt=seq.attempt,
         )
-        self._advance(seq, self._masked(logits[:, -1], pending)[0], [start])
+        out: Delivery = []
+        self._advance(seq, self._masked(logits[:, -1], pending)[0], [start], out)
+        _emit(out)
 
     def _decode(self, seqs: list[SequenceState]) -> None:
         began = time.perf_counter()
@@ -305,14 +311,15 @@ class Scheduler:
         for seq in seqs:
             seq.kv_len += 1
         rows = self._masked(logits, pending).cpu()
-        self._step_out = []
+        # The step's batches go out together once every sequence has its token: the event loop
+        # then wakes their publishers in one turn, and the worker sends the step as one pipeline
+        # (``PublishPipe``) instead of a round trip per sequence.
+        out: Delivery = []
         try:
             for i, seq in enumerate(seqs):
-                self._confined(seq, self._advance, seq, rows[i], [])
+                self._confined(seq, self._advance, seq, rows[i], [], out)
         finally:
-            out, self._step_out = self._step_out, None
-            for seq, events in out:
-                seq.emit(events)
+            _emit(out)
         if self.on_step is not None:
             self.on_step(time.perf_counter() - began, len(seqs))
 
@@ -358,29 +365,17 @@ class Scheduler:
             logits = mask_tokens(logits, [i for i in self.eos_ids if i < logits.numel()])
         return sample_next_token(logits, cfg, seq.generator)
 
-    def _logprob(self, seq: SequenceState, logits: torch.Tensor, token: int) -> TokenLogprob:
-        lp, top = top_logprobs(logits.float().cpu(), token, seq.job.sampling.top_logprobs)
-        decode = self.tokenizer.decode
-        text = decode([token], skip_special_tokens=False)
-        return TokenLogprob(
-            token=text,
-            logprob=lp,
-            bytes=list(text.encode()),
-            top=[
-                TopLogprob(
-                    token=(t := decode([i], skip_special_tokens=False)),
-                    logprob=v,
-                    bytes=list(t.encode()),
-                )
-                for i, v in top
-            ],
-        )
-
-    def _advance(self, seq: SequenceState, logits: torch.Tensor, events: list[AnyEvent]) -> None:
-        """Choose, feed and account one token; finish the sequence when a stop condition holds."""
+    def _advance(
+        self, seq: SequenceState, logits: torch.Tensor, events: list[AnyEvent], out: Delivery
+    ) -> None:
+        """Choose, feed and account one token; finish the sequence when a stop condition holds.
+        The sequence's events go to ``out``, which the caller emits."""
         assert seq.decoder is not None
         token = self._choose(seq, logits)
-        logprob = self._logprob(seq, logits, token) if seq.job.sampling.logprobs else None
+        k = seq.job.sampling.top_logprobs
+        logprob = (
+            token_logprob(logits, token, k, self.tokenizer) if seq.job.sampling.logprobs else None
+        )
         events.extend(seq.decoder.feed(token, logprob))
         if seq.constraint is not None:
             seq.constraint.feed(token)
@@ -397,12 +392,5 @@ class Scheduler:
         if reason is not None:
             events.extend(seq.decoder.finish(reason))
             self._release(seq)  # before emitting: a caller that saw Finish sees a free slot
-            self._deliver(seq, events)
-        elif events:
-            self._deliver(seq, events)
-
-    def _deliver(self, seq: SequenceState, events: list[AnyEvent]) -> None:
-        if self._step_out is None:
-            seq.emit(events)
-        else:
-            self._step_out.append((seq, events))
+        if events:
+            out.append((seq, events))

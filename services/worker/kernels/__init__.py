@@ -191,9 +191,9 @@ class Kernels:
 
     def forward_threads(self, tokens_per_row: int) -> int:
         """Threads for a forward of ``tokens_per_row`` new tokens per sequence: a prompt chunk
-        (more than one) may take ``prefill_threads``. Where the API shares the cores (``sluice
-        up`` keeps one for it during decode), nothing streams while a prompt is read, so the
-        chunk can have every core; logits do not depend on the thread count (forward.c)."""
+        (more than one) may take ``prefill_threads``: a worker that leaves a core to the API for
+        decode can still give a prompt every core, since nothing streams while a prompt is read;
+        logits do not depend on the thread count (forward.c)."""
         if tokens_per_row > 1 and self.prefill_threads > 0:
             return self.prefill_threads
         return self.threads()
