@@ -45,7 +45,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from services.api.hub import StreamHub, Subscription, SubscriptionFailed
+from services.api.hub import StreamHub, Subscription
 from services.api.stream_ids import StreamId, parse_id
 from services.api.xread_wire import raw_reply
 
@@ -286,13 +286,6 @@ class ClusterStreamHub(StreamHub):
             return True
         reader.rung.pop(key, None)
         return False
-
-    def _fail(self, key: str, exc: ResponseError) -> None:
-        logger.warning("cluster hub: dropping the subscriptions of %s: %s", key, exc)
-        for sub in self._subs.pop(key, []):
-            sub.failure = SubscriptionFailed(f"cannot read {key}: {exc}")
-            sub._close()
-        self._version += 1
 
     async def _drop_readers(self) -> None:
         readers, self._readers, self._where, self._seen = self._readers, {}, {}, {}

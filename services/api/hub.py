@@ -255,13 +255,17 @@ class StreamHub:
             try:
                 await self._commands.xread({key: cursor}, count=1)
             except ResponseError as exc:
-                logger.warning("stream hub: dropping the subscriptions of %s: %s", key, exc)
-                for sub in self._subs.pop(key, []):
-                    sub.failure = SubscriptionFailed(f"cannot read {key}: {exc}")
-                    sub._close()
-                self._version += 1
+                self._fail(key, exc)
                 found = True
         return found
+
+    def _fail(self, key: str, exc: ResponseError) -> None:
+        """End ``key``'s subscriptions with ``SubscriptionFailed``: Redis refuses to read it."""
+        logger.warning("stream hub: dropping the subscriptions of %s: %s", key, exc)
+        for sub in self._subs.pop(key, []):
+            sub.failure = SubscriptionFailed(f"cannot read {key}: {exc}")
+            sub._close()
+        self._version += 1
 
     def _stopped(self) -> bool:  # a method, so the type checker does not narrow it in the loop
         return self._stopping
