@@ -78,7 +78,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / f for f in ("matmul.c", "q8.c", "amx.c", "attention.c", "forward.c")]
+SOURCES = [
+    HERE / f for f in ("quantize.c", "matmul.c", "q8.c", "amx.c", "attention.c", "forward.c")
+]
 HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
 WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *WARNINGS]

@@ -1,9 +1,10 @@
 /* Prefill GEMMs on AMX int8 tiles (Sapphire Rapids and later), for the eight-row interleaved
- * layouts: Q4 (matmul.c: Q4_0, Q4_1, and Q4_K re-laid out as Q4_1) and int8 (q8.c: Q8_0, Q8_M,
- * Q8_16). One TDPBSSD multiplies 16 activation rows by 16 weight rows over one block of 32
- * values and replaces 32 vpdpbusd plus their broadcasts. Every block has its own scales, so its
- * int32 results leave the tile (a tile store) before the next block: those stores, not the
- * float scaling, bound the speed (docs/benchmarks.md, "AMX prefill GEMMs").
+ * layouts: Q4 (matmul.c: Q4_0, Q4_1, and Q4_K re-laid out as Q4_1), Q5_M (the same with the
+ * fifth bits added while unpacking) and int8 (q8.c: Q8_0, Q8_M, Q8_16). One TDPBSSD multiplies 16
+ * activation rows by 16 weight rows over one block of 32 values and replaces 32 vpdpbusd plus their
+ * broadcasts. Every block has its own scales, so its int32 results leave the tile (a tile store)
+ * before the next block: those stores, not the float scaling, bound the speed (docs/benchmarks.md,
+ * "AMX prefill GEMMs").
  *
  * Bit-identical to the AVX-512 VNNI tiles: the int32 dot of a block is exact on both paths, and
  * each output then goes through the same float operations in the same block order (the
@@ -80,15 +81,25 @@ static void unpack_pair(const int kind, int64_t nb, const uint8_t *w0, const uin
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *tb = tiles + b * 512;
-        if (kind == AMX_Q4) {
+        if (kind == AMX_Q4 || kind == AMX_Q5) {
+            const int64_t wb = kind == AMX_Q5 ? 160 : 128;
             for (int j = 0; j < 4; j++) {
-                const __m256i lo = _mm256_loadu_si256((const __m256i *)(w0 + b * 128 + 32 * j));
-                const __m256i hi = w1 ? _mm256_loadu_si256((const __m256i *)(w1 + b * 128 + 32 * j))
+                const __m256i lo = _mm256_loadu_si256((const __m256i *)(w0 + b * wb + 32 * j));
+                const __m256i hi = w1 ? _mm256_loadu_si256((const __m256i *)(w1 + b * wb + 32 * j))
                                       : _mm256_setzero_si256();
                 const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                _mm512_store_si512(tb + 64 * j, _mm512_and_si512(raw, low));
-                _mm512_store_si512(tb + 64 * (4 + j),
-                                   _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+                __m512i v[2] = {_mm512_and_si512(raw, low),
+                                _mm512_and_si512(_mm512_srli_epi16(raw, 4), low)};
+                if (kind == AMX_Q5) /* + 16 where the fifth bit is set: word j, then 4 + j */
+                    for (int h = 0; h < 2; h++) {
+                        uint32_t bits0, bits1 = 0;
+                        memcpy(&bits0, w0 + b * wb + 128 + 4 * (4 * h + j), 4);
+                        if (w1) memcpy(&bits1, w1 + b * wb + 128 + 4 * (4 * h + j), 4);
+                        const __mmask64 k = _cvtu64_mask64(bits0 | (uint64_t)bits1 << 32);
+                        v[h] = _mm512_mask_add_epi8(v[h], k, v[h], _mm512_set1_epi8(0x10));
+                    }
+                _mm512_store_si512(tb + 64 * j, v[0]);
+                _mm512_store_si512(tb + 64 * (4 + j), v[1]);
             }
         } else {
             for (int j = 0; j < 8; j++) {
@@ -224,13 +235,14 @@ void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, 
                    const float *xs, const void *wq, const float *wd, const float *wm,
                    const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK, groups = N / 8, row_tiles = (M + 15) / 16;
-    const int64_t wblock = kind == AMX_Q4 ? 128 : 256, dper = kind == AMX_Q8_16 ? 16 : 8;
+    const int64_t wblock = kind == AMX_Q4 ? 128 : kind == AMX_Q5 ? 160 : 256;
+    const int64_t dper = kind == AMX_Q8_16 ? 16 : 8;
     /* per thread: the pair's tiles, scales and minimums; the rows' transposed scales and sums;
      * the padded last row tile */
     const size_t tiles_b = (size_t)nb * 512, dv_b = (size_t)nb * 32 * sizeof(float),
                  mv_b = (size_t)nb * 16 * sizeof(float),
                  xt_b = (size_t)(row_tiles * nb * 32) * sizeof(float), pad_b = 16 * (size_t)K;
-    const int has_m = kind == AMX_Q4 || wm;
+    const int has_m = kind == AMX_Q4 || wm; /* Q5_M always has minimums */
     uint8_t *buf = NULL;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < (groups + 1) / 2; p++) {

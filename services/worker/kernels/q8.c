@@ -138,12 +138,6 @@ void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
 #define Q8X8_BLOCK 256
 
 #if SL_AVX2
-static inline __m256i bcast4(const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm256_set1_epi32(v);
-}
-
 #if SL_VNNI
 /* s + the eight rows' sums of four products |w| * (x with w's sign) */
 static inline __m256i dot4_acc(__m256i s, __m256i wabs, __m256i w, __m256i x4) {
@@ -199,42 +193,6 @@ q8x8_half(const int mt, int64_t K, const int8_t *wb, const int8_t *x, __m256i *s
             s32[t] =
                 _mm256_add_epi32(s32[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
             SL_KEEP(s32[t]);
-        }
-    }
-}
-
-/* Q8_M (values 0..31): the bytes are unsigned already, so they feed maddubs as they are, with
- * no sign trick, and four products of a half block add up in int16 before one madd (4 x 2 x 31 x
- * 127 = 31496 < 32767): about 30 instructions per row and block against the int8 tile's 48. */
-static inline __attribute__((always_inline)) void
-q5x8_tile(const int mt, int64_t nb, int64_t K, const int8_t *wg, const float *dg, const float *mg,
-          const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int8_t *wb = wg + b * Q8X8_BLOCK, *x = xq + b * QK;
-        __m256i s32[MT];
-        for (int t = 0; t < mt; t++) s32[t] = _mm256_setzero_si256();
-        for (int half = 0; half < 2; half++) {
-            __m256i s16[MT];
-            for (int t = 0; t < mt; t++) s16[t] = _mm256_setzero_si256();
-            for (int j = 4 * half; j < 4 * half + 4; j++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
-                for (int t = 0; t < mt; t++) {
-                    s16[t] = _mm256_add_epi16(s16[t],
-                                              _mm256_maddubs_epi16(w, bcast4(x + t * K + 4 * j)));
-                    SL_KEEP(s16[t]);
-                }
-            }
-            for (int t = 0; t < mt; t++) {
-                s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], ones));
-            }
-        }
-        const __m256 d = _mm256_loadu_ps(dg + b * 8), m = _mm256_loadu_ps(mg + b * 8);
-        for (int t = 0; t < mt; t++) {
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
-            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s32[t]), acc[t]);
-            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * nb + b]), acc[t]);
         }
     }
 }
@@ -296,10 +254,6 @@ void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
             const float *d = xd + m0 * nb, *s = xs ? xs + m0 * nb : NULL;
             if (sub16) {
                 DISPATCH_TILE(q8x8_tile, mt, 1, nb, K, wg, dg, mg, x, d, s, acc)
-#if !SL_VNNI
-            } else if (mg) { /* Q8_M */
-                DISPATCH_TILE(q5x8_tile, mt, nb, K, wg, dg, mg, x, d, s, acc)
-#endif
             } else {
                 DISPATCH_TILE(q8x8_tile, mt, 0, nb, K, wg, dg, mg, x, d, s, acc)
             }

@@ -1,5 +1,6 @@
 /* sluice CPU kernels, internal: instruction-set selection, vector helpers, and the stages shared
- * between matmul.c, q8.c, attention.c and forward.c. Not part of the ABI (sluice_cpu.h is). */
+ * between quantize.c, matmul.c, q8.c, amx.c, attention.c and forward.c. Not part of the ABI
+ * (sluice_cpu.h is). */
 #ifndef SL_IMPL_H
 #define SL_IMPL_H
 
@@ -94,6 +95,14 @@ static inline __m256 exp256(__m256 x) {
  * AVX2's 16 vector registers, and spills. */
 #define SL_KEEP(v) __asm__("" : "+x"(v))
 
+/* four activation bytes at x in every 32-bit lane: what the interleaved tiles multiply eight
+ * weight rows by at once */
+static inline __m256i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
 /* [hsum(a), hsum(b), hsum(c), hsum(d)] */
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -114,6 +123,10 @@ SL_INTERNAL void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int
 SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                                 const float *xs, const uint8_t *wq, const float *wd,
                                 const float *wm, const float *bias, float *y, int accumulate);
+/* Q5_M: the Q4 layout with the values' fifth bits (matmul.c documents it) */
+SL_INTERNAL void gemm_q5_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                              const float *xs, const uint8_t *wq, const float *wd, const float *wm,
+                              const float *bias, float *y, int accumulate);
 /* int8 weights (q8.c): scales per 32 values, or per 16 (sub16); optional minimums per 32 */
 SL_INTERNAL void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                               const float *xs, const int8_t *wq, const float *wd, const float *wm,
@@ -125,7 +138,7 @@ SL_INTERNAL void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *x
 /* 1 when amx.c's GEMMs can run: built with AMX and the kernel granted the tile state */
 SL_INTERNAL int amx_usable(void);
 /* the eight-row interleaved GEMMs on AMX tiles (M >= SL_AMX_MIN_M; amx.c documents them) */
-enum { AMX_Q4, AMX_Q8, AMX_Q8_16 };
+enum { AMX_Q4, AMX_Q5, AMX_Q8, AMX_Q8_16 };
 SL_INTERNAL void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq,
                                const float *xd, const float *xs, const void *wq, const float *wd,
                                const float *wm, const float *bias, float *y, int accumulate);

@@ -13,9 +13,12 @@
  *                [N/8, nb, 8] (scale, minimum): w = wd * q + wm; see gemm_q4_1_body
  *   Q4_0 weight  as Q4_1 without the minimums: w = wd * (q - 8)
  *   Q8_0 weight  wq int8 [N, nb, 32], wd float [N, nb]: w = wd * q
- *   Q8_M weight  Q8_0 plus wm float [N, nb]: w = wd * q + wm, q in 0..31 only (the AVX2 GEMM
- *                multiplies the bytes as unsigned): Q5_0 (wm = -16 wd), Q5_1, Q5_K
+ *   Q8_M weight  Q8_0 plus wm float [N, nb]: w = wd * q + wm, q in 0..31: Q5_0 (wm = -16 wd),
+ *                Q5_1, Q5_K where N % 8 != 0 (else Q5_M)
  *   Q8_16 weight wq int8 [N, nb, 32], wd float [N, 2 nb]: one scale per 16 values (Q6_K)
+ *   Q5_M weight  Q8_M's values (0..31) packed as Q4_1 (eight rows interleaved) plus a plane of
+ *                their fifth bits: wq uint8 [N/8, nb, 160], wd and wm float [N/8, nb, 8]; the
+ *                5-bit types' layout wherever N % 8 == 0 (matmul.c documents the bytes)
  *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] floats
  *
  * Threads: every entry point takes nthreads and uses OpenMP, the same libgomp torch loaded, so
@@ -31,9 +34,9 @@
  * them out.
  *
  * Files: sluice_cpu.h (this: the ABI: every exported function and struct), sl_impl.h (vector
- * helpers, the stages shared between files), matmul.c (activation quantization, the 4-bit
- * GEMMs), q8.c (the int8 GEMMs), amx.c (both on AMX tiles, for prefill), attention.c
- * (attention), forward.c (the whole step).
+ * helpers, the stages shared between files), quantize.c (activation quantization), matmul.c
+ * (the 4- and 5-bit GEMMs), q8.c (the int8 GEMMs), amx.c (both on AMX tiles, for prefill),
+ * attention.c (attention), forward.c (the whole step).
  */
 #ifndef SLUICE_CPU_H
 #define SLUICE_CPU_H
@@ -50,6 +53,7 @@ enum {
     SL_Q8_0 = 8,
     SL_Q8_M = 64,  /* values 0..31, a scale and a minimum per 32: Q5_0, Q5_1, Q5_K */
     SL_Q8_16 = 65, /* int8 values, a scale per 16: Q6_K */
+    SL_Q5_M = 66,  /* Q8_M's values in five bits, eight rows interleaved (N % 8 == 0) */
     SL_X8 = 256,   /* flag on the Q8 formats: eight rows interleaved (N % 8 == 0; see q8.c) */
 };
 

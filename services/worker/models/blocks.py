@@ -11,8 +11,10 @@ kernels' layouts hold the same integers re-ordered and the scales as fp32, so pa
 shuffle: exact, where re-quantizing dequantized weights is not always (a Q4_0 block that does
 not reach both ends of its grid, for one). A Q4_K super-block of 256 values is eight such
 affine 4-bit sub-blocks with 6-bit scales and minimums, so it packs exactly as Q4_1; the 5- and
-6-bit types pack exactly into sluice's int8 layouts (Q8_0, Q8_M, Q8_16): more bytes than the
-file's, but every value as ggml computes it.
+6-bit types pack exactly into sluice's int8 layouts (Q8_0, Q8_M, Q8_16), and where the rows
+come in groups of eight the 5-bit ones then into Q5_M (``pack_q5_m``: nibbles plus a plane of
+fifth bits, 7 bits a weight with the fp32 scale and minimum against Q8_M's 10): every value as
+ggml computes it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "INTERLEAVED",
     "KERNEL_TYPES",
     "MIXED",
+    "Q5_M",
     "X8",
     "FileWeights",
     "QuantBlocks",
@@ -47,6 +50,7 @@ __all__ = [
     "interleave_q8",
     "pack_blocks",
     "pack_q4_1",
+    "pack_q5_m",
     "pack_q8_0",
     "type_name",
     "unpack_q4_1",
@@ -56,6 +60,7 @@ QK = 32
 # GGML type ids (ggml.h GGML_TYPE_*), as sluice_cpu.h's SL_* constants number them.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 Q8_M, Q8_16 = 64, 65  # sluice's int8 layouts (sluice_cpu.h SL_Q8_M, SL_Q8_16)
+Q5_M = 66  # Q8_M's values in five bits, eight rows interleaved (SL_Q5_M)
 X8 = 256  # flag on an int8 format: eight rows interleaved (SL_X8)
 MIXED = -1  # QuantBlocks.qtype of a fused weight whose parts differ in type (see cat)
 QK_K = 256  # values per K-quant super-block
@@ -73,7 +78,7 @@ HALVES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: 
 HALVES |= {Q5_K: (0, 2), Q6_K: (208,)}
 _NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 _NAMES |= {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
-_NAMES |= {Q8_M: "Q8_M", Q8_16: "Q8_16"}
+_NAMES |= {Q8_M: "Q8_M", Q8_16: "Q8_16", Q5_M: "Q5_M"}
 
 
 def type_name(qtype: int) -> str:
@@ -312,6 +317,24 @@ def interleave_q8(
     else:
         grouped = _by_group(scales)
     return packed.contiguous(), grouped, None if minimums is None else _by_group(minimums)
+
+
+def pack_q5_m(
+    values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_M (values 0..31 (N, K) int8, scales and minimums (N, K/32)) with N % 8 == 0 -> Q5_M:
+    per eight-row group and block, the Q4_1 layout's 128 bytes of low nibbles (``_interleave``)
+    then eight 32-bit words of fifth bits, bit ``4 r + i`` of word ``v`` for row r's value
+    ``4 v + i`` (matmul.c); scales and minimums (N/8, K/32, 8)."""
+    n, k = values.shape
+    g, nb = n // 8, k // QK
+    q = values.view(torch.uint8).view(n, nb, QK)
+    nibbles = _interleave((q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)).view(g, nb, 128)
+    fifth = (q >> 4).view(g, 8, nb, 8, 4).permute(0, 2, 3, 1, 4)  # (G, nb, v, r, i)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    words = (fifth.reshape(g, nb, 32, 8) << shifts).sum(-1, dtype=torch.uint8)  # bits -> bytes
+    packed = torch.cat([nibbles, words], -1).reshape(g, nb * 160).contiguous()
+    return packed, _by_group(scales), _by_group(minimums)
 
 
 def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -40,7 +40,9 @@ from services.worker.models.blocks import (
     INTERLEAVED,
     Q4_0,
     Q4_1,
+    Q5_M,
     Q8_0,
+    Q8_M,
     X8,
     FileWeights,
     QuantBlocks,
@@ -48,6 +50,7 @@ from services.worker.models.blocks import (
     interleave_q8,
     pack_blocks,
     pack_q4_1,
+    pack_q5_m,
     pack_q8_0,
     type_name,
     unpack_q4_1,
@@ -105,6 +108,10 @@ class PackedLinear:
         m: torch.Tensor | None = None
         if isinstance(weight, QuantBlocks):
             self.type, self.q, self.d, m = pack_blocks(weight)
+            if self.type == Q8_M and self.out_features % 8 == 0:  # the same values, 5 bits each
+                assert m is not None
+                self.type = Q5_M
+                self.q, self.d, m = pack_q5_m(self.q, self.d, m)
         elif fmt == "q4_1":
             self.type = FORMATS[fmt]
             self.q, self.d, m = pack_q4_1(weight)
@@ -113,10 +120,10 @@ class PackedLinear:
             self.q, self.d = pack_q8_0(weight)
         self.fmt = type_name(self.type).lower()
         self.layout = self.type  # sl_linear.type: the format, | X8 when its rows are interleaved
-        if self.type not in INTERLEAVED and self.out_features % 8 == 0:
+        if self.type not in (*INTERLEAVED, Q5_M) and self.out_features % 8 == 0:
             self.layout |= X8
             self.q, self.d, m = interleave_q8(self.type, self.q, self.d, m)
-        self.m = m  # minimums (Q4_1, Q8_M); the other formats have none
+        self.m = m  # minimums (Q4_1, Q8_M, Q5_M); the other formats have none
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.view = self.struct()  # one struct for every call (its buffers live as long as self)
 

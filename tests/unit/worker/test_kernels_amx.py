@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 
 from services.worker import kernels
 from services.worker.kernels import FLAGS, Kernels, build
-from services.worker.models.blocks import Q8_16, Q8_M, X8, pack_blocks
+from services.worker.models.blocks import Q5_M, Q8_16, X8
 from services.worker.models.kernel_llama import PackedLinear
 from tests.unit.worker.test_kernels_formats import _activations, _assert_matmul, _grid
 from tests.worker_models import gen
@@ -30,7 +30,7 @@ ROWS = [8, 13, 16, 17, 31, 48, 190]  # from SL_AMX_MIN_M (8) rows: one padded ti
 # (192 x 576), and 5 groups of eight rows (the last 16-row pair half empty) over 3 blocks
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (192, 576), (40, 96)]
 K_SHAPES = [(576, 512), (192, 1536), (40, 256)]  # K-quants: K a multiple of 256
-# each layout the AMX path covers: Q4 (Q4_0, Q4_1, Q4_K), Q8_0, Q8_M (Q5_*), Q8_16 (Q6_K)
+# each layout the AMX path covers: Q4 (Q4_0, Q4_1, Q4_K), Q5_M (Q5_*), Q8_0, Q8_16 (Q6_K)
 QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K]
 K_TYPES = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
@@ -68,7 +68,7 @@ def test_amx_gemm_is_the_vnni_gemm_bit_for_bit(
     blocks, w = _grid(qtype, n, kk, seed=m + n + int(qtype))
     bias = torch.randn(n, generator=gen(m))
     linear = PackedLinear(blocks, bias)
-    assert linear.layout & X8 or linear.type in (int(Q.Q4_0), int(Q.Q4_1))
+    assert linear.layout & X8 or linear.type in (int(Q.Q4_0), int(Q.Q4_1), Q5_M)
     a = _activations(m, kk, seed=300 + m)
     start = torch.randn(m, n, generator=gen(m + 1)) * 10
     got, want = start.clone(), start.clone()
@@ -102,9 +102,9 @@ def test_amx_gemm_on_two_threads(amx: Kernels, vnni: Kernels, qtype: Q) -> None:
 
 
 def test_the_formats_cover_every_interleaved_layout() -> None:
-    """Q4_0, Q4_1 and the three int8 layouts, so no format is left to the VNNI path unseen."""
-    seen = {pack_blocks(_grid(q, 16, 512, seed=1)[0])[0] for q in QTYPES}
-    assert seen == {int(Q.Q4_0), int(Q.Q4_1), int(Q.Q8_0), Q8_M, Q8_16}
+    """Q4_0, Q4_1, Q5_M and the int8 layouts, so no format is left to the VNNI path unseen."""
+    seen = {PackedLinear(_grid(q, 16, 512, seed=1)[0], None).type for q in QTYPES}
+    assert seen == {int(Q.Q4_0), int(Q.Q4_1), Q5_M, int(Q.Q8_0), Q8_16}
 
 
 def test_the_no_amx_build_has_no_warnings(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from services.worker.kernels import (
 )
 from services.worker.models.blocks import (
     BLOCK_BYTES,
+    Q5_M,
     Q8_16,
     Q8_M,
     X8,
@@ -199,7 +200,8 @@ def test_gemm_on_grid_equals_float_math(k: Kernels, qtype: Q, m: int) -> None:
     assert torch.equal(dequantize_blocks(blocks), w)
     bias = torch.randn(n, generator=gen(m))
     linear = PackedLinear(blocks, bias)
-    assert linear.type == pack_blocks(blocks)[0]
+    fmt = pack_blocks(blocks)[0]
+    assert linear.type == (Q5_M if fmt == Q8_M else fmt)  # n % 8 == 0: 5-bit values in 5 bits
     a = _activations(m, kk, seed=100 + m)
     y = torch.full((m, n), float("nan"))
     linear(k, a, y)
@@ -233,11 +235,15 @@ def test_gemm_largest_values_do_not_saturate(k: Kernels, qtype: Q, m: int) -> No
 @pytest.mark.parametrize("m", [1, 3, 5])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K])
 def test_int8_formats_row_by_row_and_interleaved(k: Kernels, qtype: Q, m: int) -> None:
-    """Eight rows interleaved when N % 8 == 0, else row by row: the same products."""
+    """Eight rows interleaved when N % 8 == 0 (the 5-bit types as Q5_M: 160 bytes per eight
+    rows' block), else row by row: the same products."""
     for n in (36, 48):
         blocks, w = _grid(qtype, n, 256, seed=m + n)
         linear = PackedLinear(blocks, None)
-        assert bool(linear.layout & X8) == (n % 8 == 0)
+        if qtype in (Q.Q5_0, Q.Q5_1, Q.Q5_K) and n % 8 == 0:
+            assert linear.layout == Q5_M and linear.q.numel() == n // 8 * (256 // QK) * 160
+        else:
+            assert bool(linear.layout & X8) == (n % 8 == 0)
         a = _activations(m, 256, seed=200 + m)
         y = torch.full((m, n), float("nan"))
         linear(k, a, y)

@@ -21,7 +21,7 @@ from services.worker.kv_cache import build_batch
 from services.worker.loaders import ModelLoadError, load_model
 from services.worker.loaders.gguf import load_gguf
 from services.worker.models.blocks import (
-    Q8_M,
+    Q5_M,
 )
 from services.worker.models.kernel_llama import QuantizedLlama
 from tests.unit.worker.test_kernels_formats import _random_blocks
@@ -51,8 +51,9 @@ def _logits(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Ten
         return torch.cat(rows), model(torch.tensor([[5], [17]]), batch, cache)[:, 0]
 
 
-# the kernel format each type written by gguf-py is packed into
-KERNEL_FORMAT = {Q.Q4_0: Q.Q4_0, Q.Q4_1: Q.Q4_1, Q.Q8_0: Q.Q8_0, Q.Q5_0: Q8_M, Q.Q5_1: Q8_M}
+# the kernel format each type written by gguf-py is packed into (every linear here has a
+# multiple of eight rows: the 5-bit types take Q5_M)
+KERNEL_FORMAT = {Q.Q4_0: Q.Q4_0, Q.Q4_1: Q.Q4_1, Q.Q8_0: Q.Q8_0, Q.Q5_0: Q5_M, Q.Q5_1: Q5_M}
 
 
 @pytest.mark.parametrize("qtype", list(KERNEL_FORMAT))
@@ -106,12 +107,12 @@ def test_types_without_a_kernel_still_load_and_the_paths_are_logged(
         layers[1].mlp.down_proj.weight.numel() == 0 and not layers[1].mlp.down_proj.weight.is_meta
     )
     blocks = auto.model.blocks
-    assert blocks[0].qkv.fmt == "q8_m"  # Q4_0 q and k with a Q5_0 v: all exact as Q8_M
+    assert blocks[0].qkv.fmt == "q5_m"  # Q4_0 q and k with a Q5_0 v: all exact as 5-bit values
     assert blocks[1].qkv.fmt == "q4_0" and blocks[1].down.fmt == "q8_0"
     logged = [r.getMessage() for r in caplog.records if "weights by type" in r.getMessage()]
     assert len(logged) == 1
     assert "Q4_0 x" in logged[0] and "Q4_0 kernel on the file's blocks" in logged[0]
-    assert "Q5_0 x1: Q8_M kernel on the file's blocks" in logged[0]
+    assert "Q5_0 x1: Q5_M kernel on the file's blocks" in logged[0]
     assert "F16 x1: dequantized, re-quantized as Q8_0" in logged[0]
 
 
@@ -170,13 +171,13 @@ def test_q4_k_m_mix_runs_on_the_kernels(tmp_path: Path, caplog: pytest.LogCaptur
     assert isinstance(auto, QuantizedLlama)
     # Q4_K q and k fused with a Q6_K v: one format for the linear, re-quantized as Q8_0
     assert auto.blocks[0].qkv.fmt == "q8_0"
-    assert auto.blocks[1].down.fmt == "q8_16" and auto.blocks[0].down.fmt == "q8_m"
+    assert auto.blocks[1].down.fmt == "q8_16" and auto.blocks[0].down.fmt == "q5_m"
     assert auto.blocks[1].qkv.fmt == "q4_1" and auto.blocks[0].gate_up.fmt == "q4_1"
     logged = next(r.getMessage() for r in caplog.records if "weights by type" in r.getMessage())
     assert "Q4_K x" in logged and "Q4_1 kernel on the file's blocks" in logged
     assert "Q6_K x1: Q8_16 kernel on the file's blocks" in logged
     assert "Q6_K x1: dequantized, re-quantized as Q8_0" in logged
-    assert "Q5_K x1: Q8_M kernel on the file's blocks" in logged
+    assert "Q5_K x1: Q5_M kernel on the file's blocks" in logged
     prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
     for got, want in zip(_logits(auto, prompts), _logits(dense, prompts), strict=True):
         assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
