@@ -21,6 +21,7 @@ import torch
 
 from services.worker.constrain import Constrainer
 from services.worker.loaders import LoadedModel, load_model
+from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.sampling import SamplingConfig
 from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, SequenceState
 from shared.config import Settings
@@ -262,8 +263,15 @@ class TorchBackend:
         Raises:
             ModelLoadError: the model cannot be loaded (the message says why).
         """
-        if settings.threads > 0:
-            torch.set_num_threads(settings.threads)
+        # A model on the CPU kernels runs each step in sl_forward on ``threads``; torch only
+        # does microseconds of work per step (embedding rows, the choice over the vocabulary),
+        # so it keeps one thread, from before the load on: a thread that ever ran a torch op on
+        # more threads keeps an idle libgomp team, and with more team threads than cores
+        # libgomp stops spinning at barriers, so each of a step's ~300 barriers sleeps and
+        # wakes through the kernel. One stream on a 2-core VM: 13-17 ms a step against 8-9 ms
+        # (docs/benchmarks.md, "Torch on one thread"). A model torch runs gets the threads back.
+        threads = settings.threads or torch.get_num_threads()
+        torch.set_num_threads(1)
         loaded = load_model(
             model_spec,
             name=name or settings.model_name,
@@ -273,6 +281,10 @@ class TorchBackend:
             kernel_dir=settings.kernel_dir,
             prefill_threads=settings.prefill_threads,
         )
+        if isinstance(loaded.model, QuantizedLlama):
+            loaded.model.kernels.compute_threads = threads
+        else:
+            torch.set_num_threads(threads)
         return cls(
             loaded,
             max_batch=settings.max_batch,

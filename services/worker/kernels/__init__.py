@@ -186,10 +186,12 @@ class Kernels:
         self.vectorized = bool(self.lib.sl_vectorized())
         self.isa: str = self.lib.sl_isa().decode()  # avx512vnni(+amx), avx2+vnni, avx2 or scalar
         self.prefill_threads = 0  # SLUICE_PREFILL_THREADS (0: threads())
+        # The worker's thread count, where it leaves torch one thread (TorchBackend.load).
+        self.compute_threads = 0
 
-    @staticmethod
-    def threads() -> int:
-        return torch.get_num_threads()
+    def threads(self) -> int:
+        """The kernels' threads: ``compute_threads`` where set, else torch's."""
+        return self.compute_threads or torch.get_num_threads()
 
     def forward_threads(self, tokens_per_row: int) -> int:
         """Threads for a forward of ``tokens_per_row`` new tokens per sequence: a prompt chunk
