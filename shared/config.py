@@ -39,6 +39,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     queue_max: int = 1024  # SLUICE_QUEUE_MAX: queued jobs per model before 429
     job_expires_s: int = 120  # SLUICE_JOB_EXPIRES_S: a job not started by then is dropped
     poll_delay_s: float = 0.01  # SLUICE_POLL_DELAY_S: arq poll interval (pickup latency)
+    # SLUICE_IDLE_POLL_S: workers poll their queue when a job is queued (its doorbell rings) and
+    # at least this often; 0: every SLUICE_POLL_DELAY_S, as plain arq
+    idle_poll_s: float = 1.0
     max_batch: int = 16  # SLUICE_MAX_BATCH: concurrent sequences per worker
     lease_ttl_s: float = 5.0  # SLUICE_LEASE_TTL_S: a worker silent this long is presumed dead
     heartbeat_s: float = 1.0  # SLUICE_HEARTBEAT_S: lease/heartbeat refresh period

@@ -239,8 +239,12 @@ if redis.call('EXISTS', KEYS[2], KEYS[3]) > 0 then return 0 end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[5]) then return -1 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[4])
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('PUBLISH', KEYS[1], ARGV[3])
 return 1
 """
+"""arq's enqueue with the queue's bound checked atomically; a queued job also rings the queue's
+doorbell (``services/worker/queue_bell.py``): PUBLISH of its score on the channel named like
+the queue (the queue Redis is never a cluster)."""
 ENQUEUED, DUPLICATE, QUEUE_FULL = 1, 0, -1
 
 

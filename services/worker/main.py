@@ -39,6 +39,7 @@ from services.worker.backend import Backend
 from services.worker.heartbeat import VERSION, beat_once, device_of, heartbeat_loop, retire
 from services.worker.job_function import CTX_KEY, WorkerContext, generate
 from services.worker.publish_pipe import PublishPipe
+from services.worker.queue_bell import QueueBell
 from services.worker.recovery import sweep_loop
 from shared import keys, logs
 from shared.config import Settings
@@ -105,8 +106,14 @@ class OwnJobsWorker(Worker):
     """
 
     _backoff_s = 0.0  # the current retry delay; 0 while Redis answers
+    bell: QueueBell | None = None  # set: poll when it rings (queue_bell.py), not every delay
+
+    polls = 0  # queue polls made
 
     async def _poll_iteration(self) -> None:
+        if self.bell is not None:
+            await self.bell.wait()
+        self.polls += 1
         try:
             await super()._poll_iteration()
         except (RedisError, OSError) as exc:
@@ -117,6 +124,13 @@ class OwnJobsWorker(Worker):
         if self._backoff_s:
             log.info("queue poll recovered")
             self._backoff_s = 0.0
+
+    async def run_job(self, job_id: str, score: int) -> None:
+        try:
+            await super().run_job(job_id, score)
+        finally:
+            if self.bell is not None:  # a slot is free: a job left waiting for one can start
+                self.bell.ring()
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """Start the jobs among ``job_ids`` that this worker is not already running."""
@@ -151,6 +165,9 @@ class RunningWorker:
                 sweep_loop(wc, arq, JOB_TIMEOUT_S), name=f"sweep-{wc.wid}", context=ctx.copy()
             ),
         ]
+        if isinstance(worker, OwnJobsWorker) and worker.bell is not None:
+            bell = worker.bell.listen()
+            self._loops.append(asyncio.create_task(bell, name=f"bell-{wc.wid}", context=ctx.copy()))
         self._closed = False
 
     @property
@@ -262,6 +279,8 @@ async def start_worker(
         job_deserializer=arq_deserialize,
         log_results=False,
     )
+    if settings.idle_poll_s > 0:
+        worker.bell = QueueBell(arq, keys.queue(name), settings.idle_poll_s)
     log.info("worker %s serving %s (max_batch=%d)", wid, name, backend.max_batch)
     if settings.metrics_port:
         try:

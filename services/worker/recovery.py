@@ -224,6 +224,8 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         _queue_name=keys.queue(wc.name),
         _expires=wc.settings.job_expires_s,
     )
+    if job is not None:  # arq's own enqueue: ring the queue's doorbell as ENQUEUE_BOUNDED does
+        await arq.publish(keys.queue(wc.name), int(time.time() * 1000))
     log.warning("%s: worker lost; continuation %s enqueued (%s)", rid, attempt, job is not None)
     await _note_failover(wc, rid, "takeover", attempt)
     return True

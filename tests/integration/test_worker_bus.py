@@ -58,6 +58,7 @@ async def submit(
             JOB_FUNCTION, payload, _job_id=job_id or job.request_id,
             _queue_name=keys.queue(job.model), _expires=expires_s,
         )  # fmt: skip
+        await arq.publish(keys.queue(job.model), 0)  # the queue's doorbell, as ENQUEUE_BOUNDED
         return enqueued is not None
     finally:
         await arq.aclose()

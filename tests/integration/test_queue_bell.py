@@ -1,0 +1,117 @@
+"""The queue's doorbell against real Redis: a worker picks a job up when it is queued, not at its
+next poll, polls an idle queue once per ``SLUICE_IDLE_POLL_S``, and falls back to polling while
+its subscription is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import redis.asyncio as aioredis
+from arq.connections import ArqRedis
+
+from services import arq_keys
+from services.worker.main import OwnJobsWorker, arq_serialize
+from shared import keys
+from shared.codec import encode_job
+from shared.events import Finish
+from shared.protocol import ENQUEUED, JOB_FUNCTION, Scripts
+from tests.integration.test_worker_bus import make_job, read_stream
+from tests.integration.worker_harness import WorkerHandle, running_worker
+
+pytestmark = pytest.mark.integration
+
+LONG_IDLE = {"idle_poll_s": 60.0}  # a job picked up in a test's time was rung, not polled for
+
+
+def _arq_worker(handle: WorkerHandle) -> OwnJobsWorker:
+    worker = handle.running.worker
+    assert isinstance(worker, OwnJobsWorker) and worker.bell is not None
+    return worker
+
+
+async def _until(check: Callable[[], bool], seconds: float = 10) -> None:
+    async with asyncio.timeout(seconds):
+        while not check():  # noqa: ASYNC110  # a flag of the worker's, no event to wait on
+            await asyncio.sleep(0.01)
+
+
+async def _enqueue(redis_url: str, rid: str, model: str, score_ms: int | None = None) -> None:
+    """What the API does (the request record and ENQUEUE_BOUNDED, which rings)."""
+    job = make_job(rid, model)
+    arq = ArqRedis.from_url(redis_url)
+    try:
+        payload = encode_job(job)
+        await arq.hset(keys.request(rid), mapping={"job": payload, "model": model})
+        await arq.zadd(keys.inflight(model), {rid: 0}, nx=True)
+        score = score_ms if score_ms is not None else int(time.time() * 1000)
+        envelope = arq_keys.envelope(JOB_FUNCTION, payload, score, arq_serialize)
+        result = await Scripts(arq).enqueue_bounded(
+            model, rid, envelope, job_key=arq_keys.job(rid), result_key=arq_keys.result(rid),
+            score_ms=score, expires_ms=60_000, bound=100,
+        )  # fmt: skip
+        assert result == ENQUEUED
+    finally:
+        await arq.aclose()
+
+
+async def test_a_queued_job_rings_the_worker(redis_url: str, redis: aioredis.Redis) -> None:
+    async with running_worker(redis_url, settings_overrides=LONG_IDLE) as handle:
+        worker = _arq_worker(handle)
+        await _until(lambda: worker.bell is not None and worker.bell.listening)
+        await asyncio.sleep(0.05)  # the poll the subscription itself triggers
+        polls = worker.polls
+        await _enqueue(redis_url, "rang-1", handle.name)
+        events = await read_stream(redis, "rang-1")
+        assert isinstance(events[-1], Finish)
+        assert worker.bell is not None and worker.bell.rings >= 1
+        # one poll for the ring, and at most one more for the job's end (a freed slot)
+        assert worker.polls - polls <= 2
+
+
+async def test_an_idle_worker_polls_once_per_idle_interval(redis_url: str) -> None:
+    async with running_worker(redis_url, settings_overrides={"idle_poll_s": 0.25}) as rung:
+        worker = _arq_worker(rung)
+        await _until(lambda: worker.bell is not None and worker.bell.listening)
+        before = worker.polls
+        await asyncio.sleep(1.0)
+        belled = worker.polls - before
+    async with running_worker(redis_url, settings_overrides={"idle_poll_s": 0}) as plain:
+        assert plain.running.worker.bell is None  # type: ignore[attr-defined]
+        before = plain.running.worker.polls  # type: ignore[attr-defined]
+        await asyncio.sleep(1.0)
+        polled = plain.running.worker.polls - before  # type: ignore[attr-defined]
+    assert 2 <= belled <= 6  # every 0.25 s, give or take the edges
+    assert polled > 3 * belled  # every SLUICE_POLL_DELAY_S (0.01 s) without the doorbell
+
+
+async def test_a_lost_subscription_polls_until_it_is_back(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    async with running_worker(redis_url, settings_overrides=LONG_IDLE) as handle:
+        worker = _arq_worker(handle)
+        bell = worker.bell
+        assert bell is not None
+        await _until(lambda: bell.listening)
+        await redis.client_kill_filter(_type="pubsub")
+        await _until(lambda: not bell.listening)
+        await _until(lambda: bell.listening)  # re-subscribed after a short backoff
+        await _enqueue(redis_url, "after-loss", handle.name)
+        assert isinstance((await read_stream(redis, "after-loss"))[-1], Finish)
+
+
+async def test_a_ring_from_a_clock_ahead_is_rung_again_when_due(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    """arq skips a job whose score is past the worker's clock; the ring carries the score, so
+    the worker polls again once its clock gets there rather than after the idle interval."""
+    async with running_worker(redis_url, settings_overrides=LONG_IDLE) as handle:
+        worker = _arq_worker(handle)
+        await _until(lambda: worker.bell is not None and worker.bell.listening)
+        ahead = int(time.time() * 1000) + 400
+        await _enqueue(redis_url, "ahead", handle.name, score_ms=ahead)
+        events = await read_stream(redis, "ahead")
+        assert isinstance(events[-1], Finish)
+        assert time.time() * 1000 >= ahead
