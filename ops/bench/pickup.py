@@ -4,6 +4,7 @@ Usage (from the repository root, with the project's venv)::
 
     .venv/bin/python ops/bench/pickup.py                       # private redis-server, defaults
     .venv/bin/python ops/bench/pickup.py --jobs 100 --polls 0.5,0.05,0.01 --running 8,16
+    .venv/bin/python ops/bench/pickup.py --polls 0.01 --idle 0,1.0   # without / with the doorbell
 
 For each ``poll_delay`` it starts a real ``sluice worker`` process serving the scripted test
 double (``scripted:long?rate=2&max_batch=16``) and measures:
@@ -38,6 +39,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
+from services import arq_keys
 from services.worker.main import arq_deserialize, arq_serialize
 from services.worker.scripted import parse_spec
 from shared import keys
@@ -45,7 +47,7 @@ from shared.codec import decode_entry, encode_job
 from shared.events import Start, is_terminal
 from shared.jobs import GenerateRequest, Job, Message, TextPart
 from shared.prompt import PromptRenderer
-from shared.protocol import JOB_FUNCTION
+from shared.protocol import JOB_FUNCTION, Scripts
 
 MODEL = "bench-pickup"
 SPEC = "scripted:long?rate=2&max_batch=16"
@@ -105,12 +107,18 @@ def job(rid: str, script: str, max_tokens: int | None) -> Job:
 
 
 async def enqueue(arq: ArqRedis, j: Job) -> float:
+    """What the API does: the request record, then the enqueue script (which rings the queue's
+    doorbell)."""
     payload = encode_job(j)
     await arq.hset(keys.request(j.request_id), mapping={"job": payload})  # type: ignore[misc]
     t0 = time.time()
-    await arq.enqueue_job(
-        JOB_FUNCTION, payload, _job_id=j.request_id, _queue_name=keys.queue(MODEL), _expires=60
-    )
+    now_ms = int(t0 * 1000)
+    rid = j.request_id
+    await Scripts(arq).enqueue_bounded(
+        MODEL, rid, arq_keys.envelope(JOB_FUNCTION, payload, now_ms, arq_serialize),
+        job_key=arq_keys.job(rid), result_key=arq_keys.result(rid), score_ms=now_ms,
+        expires_ms=60_000, bound=10_000,
+    )  # fmt: skip
     return t0
 
 
@@ -128,8 +136,11 @@ async def first_and_last(redis: aioredis.Redis, rid: str) -> tuple[int, bool]:
                     return start_ms, True
 
 
-async def bench_poll(url: str, poll: float, n_jobs: int, running: list[int], window: float) -> str:
+async def bench_poll(
+    url: str, poll: float, idle: float, n_jobs: int, running: list[int], window: float
+) -> str:
     env = {**os.environ, "SLUICE_REDIS_URL": url, "SLUICE_POLL_DELAY_S": str(poll)}
+    env["SLUICE_IDLE_POLL_S"] = str(idle)
     env["SLUICE_LOG_LEVEL"] = "warning"
     worker = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "worker", "--model", SPEC, "--name", MODEL, env=env
@@ -146,7 +157,7 @@ async def bench_poll(url: str, poll: float, n_jobs: int, running: list[int], win
         idle_ops, idle_cpu = await load(redis, worker.pid, window)
         latencies: list[float] = []
         for i in range(n_jobs):
-            rid = f"pick-{poll}-{i}"
+            rid = f"pick-{poll}-{idle}-{i}"
             t0 = await enqueue(arq, job(rid, "text", 0))
             start_ms, _ = await first_and_last(redis, rid)
             latencies.append(start_ms - t0 * 1000)
@@ -155,12 +166,10 @@ async def bench_poll(url: str, poll: float, n_jobs: int, running: list[int], win
             await asyncio.sleep(0.005 + poll * (i * 7919 % 100) / 100)
         latencies.sort()
         q = statistics.quantiles(latencies, n=10)
-        row = (
-            f"| {poll} | {statistics.median(latencies):.1f} | {q[8]:.1f} | {latencies[-1]:.1f} "
-            f"| {idle_ops:.0f} | {idle_cpu:.1f}"
-        )
+        row = f"| {poll} | {idle or 'off'} | {statistics.median(latencies):.1f} | {q[8]:.1f} "
+        row += f"| {latencies[-1]:.1f} | {idle_ops:.0f} | {idle_cpu:.1f}"
         for n in running:
-            rids = [f"run-{poll}-{n}-{i}" for i in range(n)]
+            rids = [f"run-{poll}-{idle}-{n}-{i}" for i in range(n)]
             for rid in rids:
                 await enqueue(arq, job(rid, "long", None))
             await asyncio.sleep(1.0)  # all picked up
@@ -183,6 +192,7 @@ async def main() -> None:
     p.add_argument("--redis-url", default=None, help="default: a private redis-server")
     p.add_argument("--jobs", type=int, default=100)
     p.add_argument("--polls", default="0.5,0.05,0.01")
+    p.add_argument("--idle", default="0,1.0", help="SLUICE_IDLE_POLL_S values (0: no doorbell)")
     p.add_argument("--running", default="8,16", help="in-flight counts to measure load with")
     p.add_argument("--window", type=float, default=5.0, help="seconds per load measurement")
     args = p.parse_args()
@@ -191,13 +201,16 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
         server, url = (None, args.redis_url) if args.redis_url else start_redis(Path(tmp))
         try:
-            head = "| poll_delay s | pickup p50 ms | p90 ms | max ms | idle ops/s | idle CPU %"
+            head = "| poll_delay s | doorbell (idle poll s) | pickup p50 ms | p90 ms | max ms"
+            head += " | idle ops/s | idle CPU %"
             for n in running:
                 head += f" | ops/s, {n} running | CPU %, {n} running"
             print(head + " |")
             print("|" + "---|" * (head.count("|")))
             for poll in [float(x) for x in args.polls.split(",")]:
-                print(await bench_poll(url, poll, args.jobs, running, args.window), flush=True)
+                for idle in [float(x) for x in args.idle.split(",")]:
+                    row = await bench_poll(url, poll, idle, args.jobs, running, args.window)
+                    print(row, flush=True)
         finally:
             if server is not None:
                 server.terminate()
