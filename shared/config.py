@@ -60,7 +60,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "auto"  # SLUICE_DTYPE: auto | float32 | bfloat16 | float16 | int4
     cpu_kernels: bool = True  # SLUICE_CPU_KERNELS: 4-bit CPU models on sluice's C kernels
     kernel_dir: str | None = None  # SLUICE_KERNEL_DIR: kernel build cache (~/.cache/sluice/kernels)
-    threads: int = 0  # SLUICE_THREADS: torch CPU threads (0 = torch default)
+    # SLUICE_THREADS: CPU threads (0 = torch's default): a model on the CPU kernels runs its
+    # forwards on them and leaves torch one thread; a model torch runs gives them to torch
+    threads: int = 0
     # SLUICE_PREFILL_THREADS: the CPU kernels' threads for a prompt chunk (0 = SLUICE_THREADS).
     # More than SLUICE_THREADS pays where the API shares the cores: it idles while a prompt is read.
     prefill_threads: int = 0

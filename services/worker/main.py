@@ -107,7 +107,6 @@ class OwnJobsWorker(Worker):
 
     _backoff_s = 0.0  # the current retry delay; 0 while Redis answers
     bell: QueueBell | None = None  # set: poll when it rings (queue_bell.py), not every delay
-
     polls = 0  # queue polls made
 
     async def _poll_iteration(self) -> None:

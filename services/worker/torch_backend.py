@@ -269,7 +269,7 @@ class TorchBackend:
         # more threads keeps an idle libgomp team, and with more team threads than cores
         # libgomp stops spinning at barriers, so each of a step's ~300 barriers sleeps and
         # wakes through the kernel. One stream on a 2-core VM: 13-17 ms a step against 8-9 ms
-        # (docs/benchmarks.md, "Torch on one thread"). A model torch runs gets the threads back.
+        # (docs/benchmarks.md, "The machine kind"). A model torch runs gets them back.
         threads = settings.threads or torch.get_num_threads()
         torch.set_num_threads(1)
         loaded = load_model(

@@ -190,6 +190,12 @@ static inline __attribute__((always_inline)) void
 gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
         const float *xs, const uint8_t *wq, const float *wd, const float *wm, const float *bias,
         float *y, int accumulate) {
+#if SL_AMX /* amx.c defines gemm_amx_body only then (an -O0 build would not link) */
+    if (M >= SL_AMX_MIN_M && amx_usable()) {
+        gemm_amx_body(five ? AMX_Q5 : AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
+        return;
+    }
+#endif
     const int64_t nb = K / QK;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
@@ -220,24 +226,12 @@ gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const
 void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                     const float *xs, const uint8_t *wq, const float *wd, const float *wm,
                     const float *bias, float *y, int accumulate) {
-#if SL_AMX /* amx.c defines gemm_amx_body only then (an -O0 build would not link) */
-    if (M >= SL_AMX_MIN_M && amx_usable()) {
-        gemm_amx_body(AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
-        return;
-    }
-#endif
     gemm_x8(0, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
 }
 
 void gemm_q5_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                   const float *xs, const uint8_t *wq, const float *wd, const float *wm,
                   const float *bias, float *y, int accumulate) {
-#if SL_AMX
-    if (M >= SL_AMX_MIN_M && amx_usable()) {
-        gemm_amx_body(AMX_Q5, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
-        return;
-    }
-#endif
     gemm_x8(1, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
 }
 
