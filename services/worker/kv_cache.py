@@ -94,8 +94,17 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         initial: int = 256,
+        zeroed: bool = True,
     ) -> None:
-        """Allocate an empty cache of ``min(initial, max_len)`` tokens per slot."""
+        """Allocate an empty cache of ``min(initial, max_len)`` tokens per slot.
+
+        ``zeroed=False`` for a model whose attention reads only the positions it wrote (the CPU
+        kernels, attention.c): growth then neither fills the new capacity nor touches its
+        pages, so memory grows with the tokens actually cached (all slots' new capacity was
+        zero-filled at each doubling: a stall, and the whole reservation resident). Torch's
+        attention reads a span past shorter rows and masks it, and 0 x NaN from uninitialized
+        memory would leak through the mask: it keeps zeros."""
+        self.zeroed = zeroed
         self.layers, self.slots, self.max_len = layers, slots, max_len
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self.capacity = 0
@@ -107,8 +116,9 @@ class KVCache:
 
     def _grow(self, capacity: int) -> None:
         shape = (self.layers, self.slots, self.kv_heads, capacity, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        make = torch.zeros if self.zeroed else torch.empty
+        k = make(shape, dtype=self.dtype, device=self.device)
+        v = make(shape, dtype=self.dtype, device=self.device)
         if self.capacity:
             k[:, :, :, : self.capacity] = self.k
             v[:, :, :, : self.capacity] = self.v

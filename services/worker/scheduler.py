@@ -142,6 +142,7 @@ class Scheduler:
             max_len=self.context_length,
             dtype=dtype,
             device=device,
+            zeroed=not getattr(model, "reads_only_written_kv", False),
         )
         self._cond = threading.Condition()
         self._pending: deque[SequenceState] = deque()

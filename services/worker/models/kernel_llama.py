@@ -240,6 +240,10 @@ class PackedBlock:
 class QuantizedLlama(nn.Module):
     """``LlamaModel``'s forward with decode steps on the CPU kernels (same signature)."""
 
+    # attention.c reads keys and values 0..pos of each row, all written by this sequence or the
+    # prefix it reused: the cache need not be zero-filled (KVCache ``zeroed``)
+    reads_only_written_kv = True
+
     def __init__(
         self, model: LlamaModel, kernels: Kernels, file: FileWeights | None = None
     ) -> None:
