@@ -19,11 +19,14 @@ from typing import Any
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
+from services.worker import kernels
+from services.worker.kernels import Kernels
 from services.worker.kv_cache import KVCache, build_batch
 from services.worker.models import MODELS
 from services.worker.models.llama import LlamaModel
@@ -368,3 +371,20 @@ def gen(seed: int) -> torch.Generator:
 SCALAR_KERNEL_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # The AVX2 + FMA variant without AVX-512 (tests run it where the native build picks AVX-512).
 AVX2_KERNEL_FLAGS = [*SCALAR_KERNEL_FLAGS, "-mavx2", "-mfma"]
+
+
+def kernels_or_skip() -> Kernels:
+    """The native CPU kernels, or skip the test where no vectorized build loads."""
+    k = kernels.load()
+    if k is None or not k.vectorized:
+        pytest.skip("no vectorized CPU kernels here")
+    return k
+
+
+def tiny_q4_0_gguf(path: Path, seed: int) -> Tokenizer:
+    """Write a tiny random Llama as a Q4_0 GGUF at ``path`` (it runs on the CPU kernels); its
+    tokenizer."""
+    tk = tiny_tokenizer(380)  # 384 tokens: the head splits into groups of eight rows
+    model = random_model("LlamaForCausalLM", tk.get_vocab_size(), seed=seed)
+    write_gguf(path, model, tk, qtype=gguf.GGMLQuantizationType.Q4_0)
+    return tk

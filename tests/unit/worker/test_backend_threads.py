@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import gguf
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from services.worker import kernels
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
-from tests.worker_models import random_model, tiny_tokenizer, write_gguf, write_hf_model
+from tests.worker_models import kernels_or_skip, tiny_q4_0_gguf, write_hf_model
 
 
 @pytest.fixture(autouse=True)
@@ -30,13 +29,9 @@ def _restore_threads() -> Iterator[None]:
 
 
 def test_a_model_on_the_kernels_takes_the_threads_and_torch_keeps_one(tmp_path: Path) -> None:
-    k = kernels.load()
-    if k is None or not k.vectorized:
-        pytest.skip("no vectorized CPU kernels here")
-    tk = tiny_tokenizer(380)
+    kernels_or_skip()
     path = tmp_path / "m.gguf"
-    write_gguf(path, random_model("LlamaForCausalLM", tk.get_vocab_size(), seed=3), tk,
-               qtype=gguf.GGMLQuantizationType.Q4_0)  # fmt: skip
+    tiny_q4_0_gguf(path, seed=3)
     backend = TorchBackend.load(Settings(device="cpu", threads=3), str(path), None)
     model = backend.loaded.model
     assert isinstance(model, QuantizedLlama)

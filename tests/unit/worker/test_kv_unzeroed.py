@@ -6,14 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
-import pytest
 import torch
 
 from services.worker import kernels
 from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders.gguf import load_gguf
 from services.worker.models.kernel_llama import QuantizedLlama
-from tests.worker_models import model_cache, random_model, tiny_tokenizer, write_gguf
+from tests.worker_models import (
+    kernels_or_skip,
+    model_cache,
+    random_model,
+    tiny_q4_0_gguf,
+    tiny_tokenizer,
+    write_gguf,
+)
 
 CPU = torch.device("cpu")
 
@@ -34,13 +40,9 @@ def _run(model: torch.nn.Module, cache: KVCache, prompts: list[list[int]]) -> to
 
 
 def test_the_kernels_never_read_a_position_they_did_not_write(tmp_path: Path) -> None:
-    k = kernels.load()
-    if k is None or not k.vectorized:
-        pytest.skip("no vectorized CPU kernels here")
-    tk = tiny_tokenizer(380)
+    k = kernels_or_skip()
     path = tmp_path / "m.gguf"
-    write_gguf(path, random_model("LlamaForCausalLM", tk.get_vocab_size(), seed=4), tk,
-               qtype=gguf.GGMLQuantizationType.Q4_0)  # fmt: skip
+    tk = tiny_q4_0_gguf(path, seed=4)
     loaded, _, _, file = load_gguf(path, "m")
     model = QuantizedLlama(loaded, k, file)
     assert model.reads_only_written_kv
