@@ -47,7 +47,6 @@ from shared.codec import decode_entry, encode_job
 from shared.events import Start, is_terminal
 from shared.jobs import GenerateRequest, Job, Message, TextPart
 from shared.prompt import PromptRenderer
-from shared.protocol import JOB_FUNCTION, Scripts
 
 MODEL = "bench-pickup"
 SPEC = "scripted:long?rate=2&max_batch=16"
@@ -112,12 +111,9 @@ async def enqueue(arq: ArqRedis, j: Job) -> float:
     payload = encode_job(j)
     await arq.hset(keys.request(j.request_id), mapping={"job": payload})  # type: ignore[misc]
     t0 = time.time()
-    now_ms = int(t0 * 1000)
-    rid = j.request_id
-    await Scripts(arq).enqueue_bounded(
-        MODEL, rid, arq_keys.envelope(JOB_FUNCTION, payload, now_ms, arq_serialize),
-        job_key=arq_keys.job(rid), result_key=arq_keys.result(rid), score_ms=now_ms,
-        expires_ms=60_000, bound=10_000,
+    await arq_keys.enqueue(
+        arq, MODEL, j.request_id, payload, enqueue_ms=int(t0 * 1000), expires_ms=60_000,
+        bound=10_000,
     )  # fmt: skip
     return t0
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -32,7 +31,7 @@ from shared.errors import (
     ServiceError,
 )
 from shared.jobs import GenerateRequest, Job
-from shared.protocol import JOB_FUNCTION, QUEUE_FULL, Scripts
+from shared.protocol import QUEUE_FULL
 
 if TYPE_CHECKING:
     from services.api.state import AppState
@@ -128,15 +127,12 @@ async def _enqueue(state: AppState, job: Job) -> int:
     """arq's enqueue (job id = request id, a duplicate is a no-op) with the queue bound checked
     atomically: the ``ZCARD`` above is only a cheap early refusal, and a burst would pass it
     all at once."""
-    now_ms = int(time.time() * 1000)
-    serializer: Callable[[Any], bytes] = state.arq.job_serializer or msgspec.msgpack.encode
-    return await Scripts(state.arq).enqueue_bounded(
+    return await arq_keys.enqueue(
+        state.arq,
         job.model,
         job.request_id,
-        arq_keys.envelope(JOB_FUNCTION, encode_job(job), now_ms, serializer),
-        job_key=arq_keys.job(job.request_id),
-        result_key=arq_keys.result(job.request_id),
-        score_ms=now_ms,
+        encode_job(job),
+        enqueue_ms=int(time.time() * 1000),
         expires_ms=state.settings.job_expires_s * 1000,
         bound=state.settings.queue_max,
     )

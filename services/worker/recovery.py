@@ -21,10 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
 
-import msgspec
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 from redis.exceptions import RedisError
@@ -35,7 +32,7 @@ from services.worker.publisher import Publisher
 from shared import keys
 from shared.codec import decode_entry, decode_job
 from shared.events import Error, is_terminal
-from shared.protocol import ENQUEUED, JOB_FUNCTION, Scripts, claim_lost
+from shared.protocol import ENQUEUED, JOB_FUNCTION, claim_lost
 
 __all__ = ["ORPHAN_SCAN", "sweep_loop", "sweep_once", "sweep_orphans"]
 
@@ -115,15 +112,13 @@ async def _requeue_expired(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         return False  # ended meanwhile, or its record is gone: the in-flight sweep decides
     n = int(attempts or 0)
     jid = rid if n == 0 else f"{rid}:{n + 1}"
-    serializer: Callable[[Any], bytes] = arq.job_serializer or msgspec.msgpack.encode
     await arq.delete(arq_keys.result(jid))  # arq's "expired" record would block the id
-    result = await Scripts(arq).enqueue_bounded(
+    result = await arq_keys.enqueue(
+        arq,
         wc.name,
         jid,
-        arq_keys.envelope(JOB_FUNCTION, payload, int(since), serializer),
-        job_key=arq_keys.job(jid),
-        result_key=arq_keys.result(jid),
-        score_ms=max(int(since), 1),  # its place (arq reads a score of 0 as "no job")
+        payload,
+        enqueue_ms=int(since),  # its place in the queue
         expires_ms=wc.settings.job_expires_s * 1000,
         bound=2**53,  # a request already admitted is never refused for a full queue
     )

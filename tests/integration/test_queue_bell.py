@@ -17,7 +17,7 @@ from services.worker.main import OwnJobsWorker, arq_serialize
 from shared import keys
 from shared.codec import encode_job
 from shared.events import Finish
-from shared.protocol import ENQUEUED, JOB_FUNCTION, Scripts
+from shared.protocol import ENQUEUED
 from tests.integration.test_worker_bus import make_job, read_stream
 from tests.integration.worker_harness import WorkerHandle, running_worker
 
@@ -42,16 +42,15 @@ async def _enqueue(redis_url: str, rid: str, model: str, score_ms: int | None = 
     """What the API does (the request record and ENQUEUE_BOUNDED, which rings)."""
     job = make_job(rid, model)
     arq = ArqRedis.from_url(redis_url)
+    arq.job_serializer = arq_serialize  # the worker's, as the API's arq client has it
     try:
         payload = encode_job(job)
         await arq.hset(keys.request(rid), mapping={"job": payload, "model": model})
         await arq.zadd(keys.inflight(model), {rid: 0}, nx=True)
         score = score_ms if score_ms is not None else int(time.time() * 1000)
-        envelope = arq_keys.envelope(JOB_FUNCTION, payload, score, arq_serialize)
-        result = await Scripts(arq).enqueue_bounded(
-            model, rid, envelope, job_key=arq_keys.job(rid), result_key=arq_keys.result(rid),
-            score_ms=score, expires_ms=60_000, bound=100,
-        )  # fmt: skip
+        result = await arq_keys.enqueue(
+            arq, model, rid, payload, enqueue_ms=score, expires_ms=60_000, bound=100
+        )
         assert result == ENQUEUED
     finally:
         await arq.aclose()
