@@ -10,15 +10,10 @@ from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
-from arq.connections import ArqRedis
 
-from services import arq_keys
-from services.worker.main import OwnJobsWorker, arq_serialize
-from shared import keys
-from shared.codec import encode_job
+from services.worker.main import OwnJobsWorker
 from shared.events import Finish
-from shared.protocol import ENQUEUED
-from tests.integration.test_worker_bus import make_job, read_stream
+from tests.integration.test_worker_bus import make_job, read_stream, submit
 from tests.integration.worker_harness import WorkerHandle, running_worker
 
 pytestmark = pytest.mark.integration
@@ -38,31 +33,13 @@ async def _until(check: Callable[[], bool], seconds: float = 10) -> None:
             await asyncio.sleep(0.01)
 
 
-async def _enqueue(redis_url: str, rid: str, model: str, score_ms: int | None = None) -> None:
-    """What the API does (the request record and ENQUEUE_BOUNDED, which rings)."""
-    job = make_job(rid, model)
-    arq = ArqRedis.from_url(redis_url)
-    arq.job_serializer = arq_serialize  # the worker's, as the API's arq client has it
-    try:
-        payload = encode_job(job)
-        await arq.hset(keys.request(rid), mapping={"job": payload, "model": model})
-        await arq.zadd(keys.inflight(model), {rid: 0}, nx=True)
-        score = score_ms if score_ms is not None else int(time.time() * 1000)
-        result = await arq_keys.enqueue(
-            arq, model, rid, payload, enqueue_ms=score, expires_ms=60_000, bound=100
-        )
-        assert result == ENQUEUED
-    finally:
-        await arq.aclose()
-
-
 async def test_a_queued_job_rings_the_worker(redis_url: str, redis: aioredis.Redis) -> None:
     async with running_worker(redis_url, settings_overrides=LONG_IDLE) as handle:
         worker = _arq_worker(handle)
         await _until(lambda: worker.bell is not None and worker.bell.listening)
         await asyncio.sleep(0.05)  # the poll the subscription itself triggers
         polls = worker.polls
-        await _enqueue(redis_url, "rang-1", handle.name)
+        assert await submit(redis_url, make_job("rang-1", handle.name))
         events = await read_stream(redis, "rang-1")
         assert isinstance(events[-1], Finish)
         assert worker.bell is not None and worker.bell.rings >= 1
@@ -97,7 +74,7 @@ async def test_a_lost_subscription_polls_until_it_is_back(
         await redis.client_kill_filter(_type="pubsub")
         await _until(lambda: not bell.listening)
         await _until(lambda: bell.listening)  # re-subscribed after a short backoff
-        await _enqueue(redis_url, "after-loss", handle.name)
+        assert await submit(redis_url, make_job("after-loss", handle.name))
         assert isinstance((await read_stream(redis, "after-loss"))[-1], Finish)
 
 
@@ -110,7 +87,7 @@ async def test_a_ring_from_a_clock_ahead_is_rung_again_when_due(
         worker = _arq_worker(handle)
         await _until(lambda: worker.bell is not None and worker.bell.listening)
         ahead = int(time.time() * 1000) + 400
-        await _enqueue(redis_url, "ahead", handle.name, score_ms=ahead)
+        assert await submit(redis_url, make_job("ahead", handle.name), enqueue_ms=ahead)
         events = await read_stream(redis, "ahead")
         assert isinstance(events[-1], Finish)
         assert time.time() * 1000 >= ahead

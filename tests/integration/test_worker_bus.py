@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage, is_terminal
 from shared.jobs import GenerateRequest, Job, Message, TextPart
-from shared.protocol import JOB_FUNCTION
+from shared.protocol import ENQUEUED
 from tests.integration.worker_harness import FAST_FAILOVER, running_worker
 from tests.invariants import check_stream, generated_token_ids
 from tests.job_factory import tokenize
@@ -45,21 +46,28 @@ def make_job(rid: str, model: str, script: str | None = None, text: str = "hi") 
 
 
 async def submit(
-    redis_url: str, job: Job, job_id: str | None = None, *, expires_s: float = 60
+    redis_url: str,
+    job: Job,
+    job_id: str | None = None,
+    *,
+    expires_s: float = 60,
+    enqueue_ms: int | None = None,
 ) -> bool:
-    """Do what the API does: request hash, in-flight entry, arq job (id = request id)."""
+    """Do what the API does: request hash, in-flight entry, arq job (id = request id) queued
+    through ENQUEUE_BOUNDED (which rings the queue's doorbell), at ``enqueue_ms`` (default:
+    now)."""
     arq = ArqRedis.from_url(redis_url)
     arq.job_serializer, arq.job_deserializer = arq_serialize, arq_deserialize
     try:
         payload = encode_job(job)
         await arq.hset(keys.request(job.request_id), mapping={"job": payload, "model": job.model})
         await arq.zadd(keys.inflight(job.model), {job.request_id: 0}, nx=True)
-        enqueued = await arq.enqueue_job(
-            JOB_FUNCTION, payload, _job_id=job_id or job.request_id,
-            _queue_name=keys.queue(job.model), _expires=expires_s,
+        at = enqueue_ms if enqueue_ms is not None else int(time.time() * 1000)
+        enqueued = await arq_keys.enqueue(
+            arq, job.model, job_id or job.request_id, payload, enqueue_ms=at,
+            expires_ms=int(expires_s * 1000), bound=2**53,
         )  # fmt: skip
-        await arq.publish(keys.queue(job.model), 0)  # the queue's doorbell, as ENQUEUE_BOUNDED
-        return enqueued is not None
+        return enqueued == ENQUEUED
     finally:
         await arq.aclose()
 
