@@ -3,7 +3,7 @@
 Owns ``QuantBlocks`` (one 2-D weight's raw GGUF blocks), ``FileWeights`` (what a file holds for
 each weight: its type, and its blocks where a kernel reads that type) and packing weights into
 the layouts ``services/worker/kernels/sluice_cpu.h`` documents: raw blocks as they are
-(``pack_blocks``), dense weights re-quantized (``pack_q4_1``, ``pack_q8_0``).
+(``pack_blocks``; dense weights re-quantized: ``requantize.py``).
 
 A GGUF Q4_0 / Q4_1 / Q8_0 row is ``K / 32`` blocks of ``[d: f16][m: f16, Q4_1 only][values]``
 (ggml's block_q4_0 etc., https://github.com/ggml-org/ggml/blob/master/src/ggml-common.h). The
@@ -45,15 +45,14 @@ __all__ = [
     "X8",
     "FileWeights",
     "QuantBlocks",
+    "by_group",
     "dequantize_blocks",
     "finite",
+    "interleave_nibbles",
     "interleave_q8",
     "pack_blocks",
-    "pack_q4_1",
     "pack_q5_m",
-    "pack_q8_0",
     "type_name",
-    "unpack_q4_1",
 ]
 
 QK = 32
@@ -138,13 +137,13 @@ def _f16(raw: torch.Tensor, offset: int) -> torch.Tensor:
     return raw[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def _by_group(t: torch.Tensor) -> torch.Tensor:
+def by_group(t: torch.Tensor) -> torch.Tensor:
     """(N, nb) per-row scales -> (N/8, nb, 8): the eight interleaved rows' scales side by side."""
     n, nb = t.shape
     return t.view(n // 8, 8, nb).permute(0, 2, 1).contiguous()
 
 
-def _interleave(qs: torch.Tensor) -> torch.Tensor:
+def interleave_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """GGUF-order nibble bytes (N, nb, 16) -> the kernel's eight-row groups (N/8, nb * 128):
     GGUF byte ``4 j + i`` of row r (value ``4 j + i`` in its low nibble, ``16 + 4 j + i`` in its
     high nibble) is the byte the kernel wants at ``32 j + 4 r + i`` of the group's block."""
@@ -221,7 +220,7 @@ def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     minimums or None).
 
     Q8_0: int8 (N, K) and scales (N, K/32). Q4_0 / Q4_1: eight rows interleaved (N % 8 == 0),
-    the GGUF nibble bytes re-ordered (``_interleave``). Q4_K: each 32-value sub-block is
+    the GGUF nibble bytes re-ordered (``interleave_nibbles``). Q4_K: each 32-value sub-block is
     ``(d sc) q - (dmin m)`` with q in 0..15, so it becomes a Q4_1 block with fp32 scale and
     minimum: the Q4_1 kernel then computes what ggml does. Q5_0 (minimum ``-16 d``), Q5_1
     and Q5_K (q in 0..31) are Q8_M; Q6_K (``q - 32`` with a scale per 16) is Q8_16. MIXED: see
@@ -235,14 +234,14 @@ def pack_blocks(b: QuantBlocks) -> tuple[int, torch.Tensor, torch.Tensor, torch.
         if b.qtype == Q8_0:
             values = raw[..., 2:].contiguous().view(torch.int8).view(n, k)
             return Q8_0, values, _f16(raw, 0).contiguous(), None
-        packed = _interleave(raw[..., 2 if b.qtype == Q4_0 else 4 :])
-        minimums = None if b.qtype == Q4_0 else _by_group(_f16(raw, 2))
-        return b.qtype, packed, _by_group(_f16(raw, 0)), minimums
+        packed = interleave_nibbles(raw[..., 2 if b.qtype == Q4_0 else 4 :])
+        minimums = None if b.qtype == Q4_0 else by_group(_f16(raw, 2))
+        return b.qtype, packed, by_group(_f16(raw, 0)), minimums
     fmt, q, scale, low = _decode(b)
     if fmt == Q4_1:
         nibbles = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
         assert low is not None
-        return Q4_1, _interleave(nibbles), _by_group(scale), _by_group(low)
+        return Q4_1, interleave_nibbles(nibbles), by_group(scale), by_group(low)
     values = q.to(torch.int8).reshape(n, k)
     return fmt, values, scale.contiguous(), None if low is None else low.contiguous()
 
@@ -315,69 +314,28 @@ def interleave_q8(
     if fmt == Q8_16:  # (N, 2 nb) -> (G, nb, 2, 8)
         grouped = scales.reshape(g, 8, nb, 2).permute(0, 2, 3, 1).contiguous()
     else:
-        grouped = _by_group(scales)
-    return packed.contiguous(), grouped, None if minimums is None else _by_group(minimums)
+        grouped = by_group(scales)
+    return packed.contiguous(), grouped, None if minimums is None else by_group(minimums)
 
 
 def pack_q5_m(
     values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q8_M (values 0..31 (N, K) int8, scales and minimums (N, K/32)) with N % 8 == 0 -> Q5_M:
-    per eight-row group and block, the Q4_1 layout's 128 bytes of low nibbles (``_interleave``)
-    then eight 32-bit words of fifth bits, bit ``4 r + i`` of word ``v`` for row r's value
-    ``4 v + i`` (matmul.c); scales and minimums (N/8, K/32, 8)."""
+    per eight-row group and block, the Q4_1 layout's 128 bytes of low nibbles
+    (``interleave_nibbles``) then eight 32-bit words of fifth bits, bit ``4 r + i`` of word
+    ``v`` for row r's value ``4 v + i`` (matmul.c); scales and minimums (N/8, K/32, 8)."""
     n, k = values.shape
     g, nb = n // 8, k // QK
     q = values.view(torch.uint8).view(n, nb, QK)
-    nibbles = _interleave((q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)).view(g, nb, 128)
+    nibbles = interleave_nibbles((q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)).view(
+        g, nb, 128
+    )
     fifth = (q >> 4).view(g, 8, nb, 8, 4).permute(0, 2, 3, 1, 4)  # (G, nb, v, r, i)
     shifts = torch.arange(8, dtype=torch.uint8)
     words = (fifth.reshape(g, nb, 32, 8) << shifts).sum(-1, dtype=torch.uint8)  # bits -> bytes
     packed = torch.cat([nibbles, words], -1).reshape(g, nb * 160).contiguous()
-    return packed, _by_group(scales), _by_group(minimums)
-
-
-def pack_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) weights -> Q4_1 with eight rows interleaved (the layout ``sluice_cpu.h`` documents).
-
-    Returns nibbles (N/8, K/32 * 128) uint8, scales and minimums (N/8, K/32, 8) fp32. In each
-    128-byte block, byte ``32 j + 4 r + i`` holds row r's value ``4 j + i`` (low nibble) and
-    value ``16 + 4 j + i`` (high nibble).
-    """
-    n, k = w.shape
-    g, nb = n // 8, k // QK
-    blocks = w.detach().float().reshape(n, nb, QK)
-    lo, hi = blocks.amin(-1), blocks.amax(-1)
-    scale = (hi - lo) / 15.0
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = ((blocks - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
-    q = q.view(g, 8, nb, QK).permute(0, 2, 1, 3)  # (G, nb, row, 32)
-    low, high = q[..., :16].reshape(g, nb, 8, 4, 4), q[..., 16:].reshape(g, nb, 8, 4, 4)
-    nibbles = (low | (high << 4)).permute(0, 1, 3, 2, 4)  # (G, nb, j, row, i)
-
-    def by_group(t: torch.Tensor) -> torch.Tensor:
-        return t.view(g, 8, nb).permute(0, 2, 1).contiguous()  # (G, nb, row)
-
-    return nibbles.reshape(g, nb * 128).contiguous(), by_group(scale), by_group(lo)
-
-
-def unpack_q4_1(nibbles: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The (N, K) weights that ``pack_q4_1``'s output encodes (its inverse on the 4-bit grid)."""
-    g, nb = scale.shape[0], scale.shape[1]
-    b = nibbles.view(g, nb, 4, 8, 4).permute(0, 1, 3, 2, 4)  # (G, nb, row, j, i)
-    q = torch.cat([(b & 0x0F).reshape(g, nb, 8, 16), (b >> 4).reshape(g, nb, 8, 16)], -1)
-    w = q.float() * scale[..., None] + low[..., None]  # (G, nb, row, 32)
-    return w.permute(0, 2, 1, 3).reshape(g * 8, nb * QK)
-
-
-def pack_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) weights -> int8 values (N, K) and one scale per 32 (N, K/32) fp32."""
-    n, k = w.shape
-    blocks = w.detach().float().reshape(n, k // QK, QK)
-    scale = blocks.abs().amax(-1) / 127.0
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return q.reshape(n, k).contiguous(), scale.contiguous()
+    return packed, by_group(scales), by_group(minimums)
 
 
 def dequantize_blocks(b: QuantBlocks) -> torch.Tensor:

@@ -49,13 +49,11 @@ from services.worker.models.blocks import (
     dequantize_blocks,
     interleave_q8,
     pack_blocks,
-    pack_q4_1,
     pack_q5_m,
-    pack_q8_0,
     type_name,
-    unpack_q4_1,
 )
 from services.worker.models.llama import Attention, Block, LlamaConfig, LlamaModel
+from services.worker.models.requantize import pack_q4_1, pack_q8_0, unpack_q4_1
 
 __all__ = [
     "FORMATS",
