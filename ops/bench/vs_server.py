@@ -131,20 +131,20 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-RETRIES = {"count": 0}  # requests sent again, this run (each level reports its own)
-
-
-async def _open(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> httpx.Response:
+async def _open(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[httpx.Response, int]:
     """Send the request; a connection the server closed before any response (llama-server does
     this now and then to a level's first request on 2-core VMs) is sent again, up to twice. The
-    retry's time counts against that server: ``sent`` was taken before the first try."""
+    response and how many times it was resent; the retries' time counts against that server:
+    ``sent`` was taken before the first try."""
     for attempt in range(3):
         try:
-            return await client.send(client.build_request("POST", url, json=body), stream=True)
+            request = client.build_request("POST", url, json=body)
+            return await client.send(request, stream=True), attempt
         except httpx.RemoteProtocolError:
             if attempt == 2:
                 raise
-            RETRIES["count"] += 1
     raise AssertionError("unreachable")
 
 
@@ -165,7 +165,7 @@ async def one(
     first = 0.0
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
-    r = await _open(client, url, body)
+    r, resent = await _open(client, url, body)
     try:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -180,7 +180,8 @@ async def one(
                 first = time.perf_counter()
     finally:
         await r.aclose()
-    return {"ttft": first - sent, "end": time.perf_counter(), "usage": usage, "timings": timings}
+    end = time.perf_counter()
+    return {"ttft": first - sent, "end": end, "usage": usage, "timings": timings, "resent": resent}
 
 
 async def level(
@@ -188,7 +189,6 @@ async def level(
 ) -> dict[str, Any]:
     """C clients, ``rounds`` requests each; request ids from ``start`` (distinct prompts)."""
     url = f"{base}/v1/chat/completions"
-    RETRIES["count"] = 0
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
 
         async def client_loop(k: int) -> list[dict[str, Any]]:
@@ -202,7 +202,7 @@ async def level(
     out_tokens = sum(int(r["usage"].get("completion_tokens", 0)) for r in runs)
     span = max(r["end"] for r in runs) - began
     row: dict[str, Any] = {"concurrency": c, "requests": len(runs), "out_tokens": out_tokens}
-    row["resent"] = RETRIES["count"]
+    row["resent"] = sum(r["resent"] for r in runs)
     row["out_tok_s"] = out_tokens / span
     row["ttft_p50_ms"] = 1e3 * statistics.median(r["ttft"] for r in runs)
     row["prompt_tokens"] = statistics.median(int(r["usage"].get("prompt_tokens", 0)) for r in runs)
