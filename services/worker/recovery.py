@@ -32,7 +32,7 @@ from services.worker.publisher import Publisher
 from shared import keys
 from shared.codec import decode_entry, decode_job
 from shared.events import Error, is_terminal
-from shared.protocol import ENQUEUED, JOB_FUNCTION, claim_lost
+from shared.protocol import ENQUEUED, claim_lost
 
 __all__ = ["ORPHAN_SCAN", "sweep_loop", "sweep_once", "sweep_orphans"]
 
@@ -212,16 +212,16 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         return True
     # Hold the claim until a worker starts the continuation (or the job expires unstarted).
     await wc.redis.pexpire(keys.lease(rid), int(wc.settings.job_expires_s * 1000) + lease_ms)
-    job = await arq.enqueue_job(
-        JOB_FUNCTION,
+    queued = await arq_keys.enqueue(
+        arq,
+        wc.name,
+        f"{rid}:{attempt}",
         payload,
-        _job_id=f"{rid}:{attempt}",
-        _queue_name=keys.queue(wc.name),
-        _expires=wc.settings.job_expires_s,
+        enqueue_ms=int(time.time() * 1000),
+        expires_ms=wc.settings.job_expires_s * 1000,
+        bound=2**53,  # a request already admitted is never refused for a full queue
     )
-    if job is not None:  # arq's own enqueue: ring the queue's doorbell as ENQUEUE_BOUNDED does
-        await arq.publish(keys.queue(wc.name), int(time.time() * 1000))
-    log.warning("%s: worker lost; continuation %s enqueued (%s)", rid, attempt, job is not None)
+    log.warning("%s: worker lost; continuation %s enqueued (%s)", rid, attempt, queued == ENQUEUED)
     await _note_failover(wc, rid, "takeover", attempt)
     return True
 
