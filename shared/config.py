@@ -43,6 +43,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # at least this often; 0: every SLUICE_POLL_DELAY_S, as plain arq
     idle_poll_s: float = 1.0
     max_batch: int = 16  # SLUICE_MAX_BATCH: concurrent sequences per worker
+    # SLUICE_STREAM_INTERVAL_S: the least time between two publishes of one request; the
+    # steps in between go out together (0: every step as its own entry)
+    stream_interval_s: float = 0.02
     lease_ttl_s: float = 5.0  # SLUICE_LEASE_TTL_S: a worker silent this long is presumed dead
     heartbeat_s: float = 1.0  # SLUICE_HEARTBEAT_S: lease/heartbeat refresh period
     max_attempts: int = 3  # SLUICE_MAX_ATTEMPTS: worker deaths tolerated per request

@@ -21,6 +21,7 @@ consumers (API) before producers (workers).
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Literal
 
 import msgspec
@@ -28,6 +29,7 @@ import msgspec
 __all__ = [
     "TERMINAL",
     "AnyEvent",
+    "Delta",
     "Error",
     "ErrorKind",
     "Event",
@@ -43,7 +45,11 @@ __all__ = [
     "ToolCallStart",
     "TopLogprob",
     "Usage",
+    "delta_text",
     "is_terminal",
+    "join_deltas",
+    "joinable",
+    "joined",
 ]
 
 FinishReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "cancelled"]
@@ -174,3 +180,60 @@ TERMINAL = (Finish, Error)
 def is_terminal(event: AnyEvent) -> bool:
     """Return True for the events that end a stream."""
     return isinstance(event, TERMINAL)
+
+
+Delta = TextDelta | ReasoningDelta | ToolCallArgsDelta
+
+
+def joinable(a: AnyEvent, b: AnyEvent) -> bool:
+    """Whether ``b`` may be appended to delta ``a`` as one delta: the same kind (text with text,
+    reasoning with reasoning, a call's argument fragments with the same call's), and for text,
+    logprobs on both or on neither."""
+    if isinstance(a, TextDelta):
+        return isinstance(b, TextDelta) and (a.logprobs is None) == (b.logprobs is None)
+    if isinstance(a, ReasoningDelta):
+        return isinstance(b, ReasoningDelta)
+    if isinstance(a, ToolCallArgsDelta):
+        return isinstance(b, ToolCallArgsDelta) and a.index == b.index
+    return False
+
+
+def delta_text(event: Delta) -> str:
+    """The text a delta adds (a fragment, for tool-call arguments)."""
+    return event.fragment if isinstance(event, ToolCallArgsDelta) else event.text
+
+
+def joined(run: list[AnyEvent]) -> AnyEvent:
+    """One delta equal to the concatenation of a ``joinable`` run: its text, token ids and
+    logprobs in order (the stream's invariants hold for it as they did for the parts)."""
+    first = run[0]
+    if len(run) == 1:
+        return first
+    text = "".join(delta_text(e) for e in run)  # type: ignore[arg-type]
+    token_ids = list(chain.from_iterable(e.token_ids for e in run))  # type: ignore[union-attr]
+    if isinstance(first, TextDelta):
+        logprobs = None
+        if first.logprobs is not None:
+            logprobs = list(chain.from_iterable(e.logprobs or [] for e in run))  # type: ignore[union-attr]
+        return TextDelta(text=text, token_ids=token_ids, logprobs=logprobs)
+    if isinstance(first, ReasoningDelta):
+        return ReasoningDelta(text=text, token_ids=token_ids)
+    assert isinstance(first, ToolCallArgsDelta)
+    return ToolCallArgsDelta(index=first.index, fragment=text, token_ids=token_ids)
+
+
+def join_deltas(events: list[AnyEvent]) -> list[AnyEvent]:
+    """``events`` with each run of ``joinable`` deltas joined into one; others pass unchanged."""
+    out: list[AnyEvent] = []
+    run: list[AnyEvent] = []
+    for event in events:
+        if run and not joinable(run[-1], event):
+            out.append(joined(run))
+            run = []
+        if isinstance(event, Delta):
+            run.append(event)
+        else:
+            out.append(event)
+    if run:
+        out.append(joined(run))
+    return out

@@ -25,17 +25,10 @@ same.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import chain
 
 from shared.codec import decode_entry
 from shared.errors import ProtocolError
-from shared.events import (
-    AnyEvent,
-    ReasoningDelta,
-    TextDelta,
-    ToolCallArgsDelta,
-    is_terminal,
-)
+from shared.events import AnyEvent, Delta, delta_text, is_terminal, joinable, joined
 
 __all__ = ["MAX_FOLD_CHARS", "Item", "entry_items", "fold_deltas"]
 
@@ -45,41 +38,6 @@ Item = tuple[str, AnyEvent, bool]
 # A run stops growing at this much text, so a replayed answer of any length still goes out in
 # frames of bounded size (a client's line buffer, a proxy's) while costing a frame per 16 KiB.
 MAX_FOLD_CHARS = 16_384
-
-
-def _text(event: AnyEvent) -> str:
-    if isinstance(event, TextDelta | ReasoningDelta):
-        return event.text
-    assert isinstance(event, ToolCallArgsDelta)
-    return event.fragment
-
-
-def _same_kind(a: AnyEvent, b: AnyEvent) -> bool:
-    if isinstance(a, TextDelta):
-        # Logprobs join only when both parts have them or neither does.
-        return isinstance(b, TextDelta) and (a.logprobs is None) == (b.logprobs is None)
-    if isinstance(a, ReasoningDelta):
-        return isinstance(b, ReasoningDelta)
-    if isinstance(a, ToolCallArgsDelta):
-        return isinstance(b, ToolCallArgsDelta) and a.index == b.index
-    return False
-
-
-def _join(run: list[AnyEvent]) -> AnyEvent:
-    first = run[0]
-    if len(run) == 1:
-        return first
-    text = "".join(_text(e) for e in run)
-    token_ids = list(chain.from_iterable(e.token_ids for e in run))  # type: ignore[union-attr]
-    if isinstance(first, TextDelta):
-        logprobs = None
-        if first.logprobs is not None:
-            logprobs = list(chain.from_iterable(e.logprobs or [] for e in run))  # type: ignore[union-attr]
-        return TextDelta(text=text, token_ids=token_ids, logprobs=logprobs)
-    if isinstance(first, ReasoningDelta):
-        return ReasoningDelta(text=text, token_ids=token_ids)
-    assert isinstance(first, ToolCallArgsDelta)
-    return ToolCallArgsDelta(index=first.index, fragment=text, token_ids=token_ids)
 
 
 def fold_deltas(items: Iterable[Item]) -> list[Item]:
@@ -99,25 +57,25 @@ def fold_deltas(items: Iterable[Item]) -> list[Item]:
 
     def flush() -> None:
         if run:
-            out.append((tail[0], _join(run), tail[1]))
+            out.append((tail[0], joined(run), tail[1]))
             run.clear()
 
     for entry_id, event, ends in items:
-        if not isinstance(event, TextDelta | ReasoningDelta | ToolCallArgsDelta):
+        if not isinstance(event, Delta):
             flush()
             out.append((entry_id, event, ends))
             continue
-        joinable = bool(
+        joins = bool(
             run
-            and _same_kind(run[-1], event)
+            and joinable(run[-1], event)
             and run_chars < MAX_FOLD_CHARS
             and (ends or not tail[1])  # never from an entry's end into the middle of the next
         )
-        if not joinable:
+        if not joins:
             flush()
             run_chars = 0
         run.append(event)
-        run_chars += len(_text(event))
+        run_chars += len(delta_text(event))
         tail = (entry_id, ends)
     flush()
     return out

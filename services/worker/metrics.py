@@ -63,7 +63,7 @@ class WorkerMetrics:
         )
         self.itl = Histogram(
             "sluice_inter_token_latency_seconds",
-            "Time between consecutive published token batches of one request (one decode step)",
+            "Time per generated token between consecutive published batches of one request",
             m,
             buckets=ITL_BUCKETS,
             registry=r,
@@ -246,7 +246,11 @@ class RequestTimer:
                 if self._created > 0:
                     self._m.ttft.labels(self._model).observe(max(time.time() - self._created, 0))
             elif self._last:
-                self._m.itl.labels(self._model).observe(now - self._last)
+                # a batch may carry several steps' tokens (SLUICE_STREAM_INTERVAL_S): each of
+                # them took an equal share of the gap
+                itl, per_token = self._m.itl.labels(self._model), (now - self._last) / new_tokens
+                for _ in range(new_tokens):
+                    itl.observe(per_token)
             self._last = now
         head = events[0] if events else None
         if isinstance(head, Start) and self.attempt == 1:

@@ -26,7 +26,7 @@ from services.worker.sampling import SamplingConfig
 from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, SequenceState
 from shared.config import Settings
 from shared.errors import ContextOverflow, InvalidRequest
-from shared.events import AnyEvent, is_terminal
+from shared.events import AnyEvent, is_terminal, join_deltas
 from shared.jobs import Job
 from shared.model_card import ModelCard
 from shared.prompt import starts_in_reasoning
@@ -80,12 +80,16 @@ class TorchBackend:
         max_batch: int,
         make_decoder: DecoderFactory | None = None,
         max_cached_tokens: int = 0,
+        stream_interval_s: float = 0.0,
     ) -> None:
         """Wrap a loaded model; ``make_decoder`` defaults to the real ``OutputDecoder``.
 
-        ``max_cached_tokens`` bounds the tokens running sequences may hold (0: derived).
+        ``max_cached_tokens`` bounds the tokens running sequences may hold (0: derived);
+        ``stream_interval_s`` is the least time between two batches of one request that
+        ``generate`` yields (steps in between are joined; 0: each as soon as it is taken).
         """
         self.loaded = loaded
+        self.stream_interval_s = stream_interval_s
         self.card: ModelCard = loaded.card
         self.max_batch = max_batch
         cfg = loaded.model.config
@@ -235,13 +239,16 @@ class TorchBackend:
         )
         self.scheduler.submit(seq)
         finished = False
+        due = 0.0  # loop time from which the next batch may go out
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = any(is_terminal(e) for e in item)
-                yield item
+                batch, error = await _gather(queue, due)
+                if batch:
+                    finished = any(is_terminal(e) for e in batch)
+                    due = loop.time() + self.stream_interval_s
+                    yield batch
+                if error is not None:
+                    raise error
         finally:
             if not finished:
                 self.scheduler.cancel(seq)
@@ -289,4 +296,41 @@ class TorchBackend:
             loaded,
             max_batch=settings.max_batch,
             max_cached_tokens=settings.max_cached_tokens,
+            stream_interval_s=settings.stream_interval_s,
         )
+
+
+async def _gather(
+    queue: asyncio.Queue[list[AnyEvent] | BaseException], due: float
+) -> tuple[list[AnyEvent], BaseException | None]:
+    """The next batch to hand on: the steps' batches waiting in ``queue`` and those that arrive
+    before loop time ``due``, with their runs of deltas joined; a terminal event ends it at
+    once, and so does an error, returned beside the events before it (the caller hands those on,
+    then raises it).
+
+    Why: one stream on a small model makes a step every few milliseconds, and each batch handed
+    on costs a Redis entry, the API's projection and a frame the client parses, on the cores
+    the model computes on; at ``SLUICE_STREAM_INTERVAL_S`` apart, a fast stream's deltas carry
+    a few tokens each, while a step slower than that (a busy batch) still goes out alone.
+    """
+    loop = asyncio.get_running_loop()
+    events: list[AnyEvent] = []
+    item = await queue.get()
+    while not isinstance(item, BaseException):
+        events.extend(item)
+        if any(is_terminal(e) for e in item):
+            break
+        if queue.empty():
+            wait = due - loop.time()
+            if wait <= 0:
+                break
+            try:
+                async with asyncio.timeout(wait):
+                    item = await queue.get()
+            except TimeoutError:
+                break
+        else:
+            item = queue.get_nowait()
+    else:
+        return join_deltas(events), item
+    return join_deltas(events), None
