@@ -328,12 +328,14 @@ def model_cache(
     model: nn.Module,
     *,
     slots: int = 1,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device = CPU,
     initial: int = 256,
 ) -> KVCache:
-    """An empty KV cache shaped for ``model`` (a ``LlamaModel`` or anything with its config)."""
+    """An empty KV cache shaped for ``model`` (a ``LlamaModel`` or anything with its config),
+    of the model's ``kv_dtype`` (fp32 where it names none) unless ``dtype`` is given."""
     c = model.config
+    dtype = dtype or getattr(model, "kv_dtype", torch.float32)
     return KVCache(
         layers=c.num_layers,
         slots=slots,
@@ -350,11 +352,12 @@ def prefill_logits(
     model: nn.Module,
     ids: list[int],
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device = CPU,
     cache: KVCache | None = None,
 ) -> torch.Tensor:
-    """Logits (T, V) at every position of one full-sequence forward in slot 0."""
+    """Logits (T, V) at every position of one full-sequence forward in slot 0 (on a new cache
+    of ``dtype``, by default the model's, unless ``cache`` is given)."""
     cache = cache or model_cache(model, dtype=dtype, device=device)
     cache.reserve(len(ids))
     batch = build_batch([0], [0], len(ids), device)
@@ -370,7 +373,7 @@ def gen(seed: int) -> torch.Generator:
 # The kernels' portable build: no -march=native, so the scalar loops (tests run both builds).
 SCALAR_KERNEL_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # The AVX2 + FMA variant without AVX-512 (tests run it where the native build picks AVX-512).
-AVX2_KERNEL_FLAGS = [*SCALAR_KERNEL_FLAGS, "-mavx2", "-mfma"]
+AVX2_KERNEL_FLAGS = [*SCALAR_KERNEL_FLAGS, "-mavx2", "-mfma", "-mf16c"]
 
 
 def kernels_or_skip() -> Kernels:

@@ -33,7 +33,7 @@ from services.worker.models.kernel_llama import QuantizedLlama
 
 PROMPT = 190
 CPU = torch.device("cpu")
-AVX2 = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 def _cache(model: torch.nn.Module, slots: int) -> KVCache:
@@ -44,7 +44,7 @@ def _cache(model: torch.nn.Module, slots: int) -> KVCache:
         kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
         max_len=c.context_length,
-        dtype=torch.float32,
+        dtype=model.kv_dtype if isinstance(model, QuantizedLlama) else torch.float32,
         device=CPU,
         initial=512,
     )

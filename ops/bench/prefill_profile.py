@@ -61,7 +61,7 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
         kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         max_len=cfg.context_length,
-        dtype=torch.float32,
+        dtype=model.kv_dtype,
         device=CPU,
         initial=512,
     )

@@ -135,7 +135,9 @@ class KVCache:
             self._grow(min(cap, self.max_len))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
-        """Store ``k``/``v`` (B, KV, T, hd) for each row at its slot's next positions."""
+        """Store ``k``/``v`` (B, KV, T, hd) for each row at its slot's next positions (rounded to
+        the cache's dtype where it is narrower)."""
+        k, v = k.to(self.dtype), v.to(self.dtype)
         if batch.t == 1:
             # One token per row: a single scatter for the whole batch.
             self.k[layer, batch.slot_index, :, batch.start_index] = k[:, :, 0]

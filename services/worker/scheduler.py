@@ -140,7 +140,7 @@ class Scheduler:
             kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             max_len=self.context_length,
-            dtype=dtype,
+            dtype=getattr(model, "kv_dtype", dtype),  # the kernels keep halves
             device=device,
             zeroed=not getattr(model, "reads_only_written_kv", False),
         )

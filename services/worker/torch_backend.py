@@ -97,7 +97,7 @@ class TorchBackend:
             layers=int(cfg.num_layers),
             kv_heads=int(cfg.num_kv_heads),
             head_dim=int(cfg.head_dim),
-            dtype=loaded.dtype,
+            dtype=getattr(loaded.model, "kv_dtype", loaded.dtype),
             context=int(cfg.context_length),
             slots=max_batch,
         )

@@ -10,30 +10,56 @@
 #include <omp.h>
 #else
 static int omp_get_thread_num(void) { return 0; }
+static int omp_get_num_threads(void) { return 1; }
 #endif
 
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
+/* Eight cached halves as floats. */
+#if SL_AVX2
+static inline __m256 load_half8(const uint16_t *p) {
+#if SL_F16C
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    return _mm256_setr_ps(half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]),
+                          half_to_float(p[3]), half_to_float(p[4]), half_to_float(p[5]),
+                          half_to_float(p[6]), half_to_float(p[7]));
+#endif
+}
+#endif
+
+/* q . k for a cached key k */
+static inline float dot_half(const float *q, const uint16_t *k, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
 #if SL_AVX2
     __m256 acc = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_half8(k + i), acc);
     s = hsum(acc);
 #endif
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += q[i] * half_to_float(k[i]);
     return s;
 }
 
-static inline void axpy_f32(float a, const float *x, float *y, int64_t n) {
+/* y += a v for a cached value v */
+static inline void axpy_half(float a, const uint16_t *v, float *y, int64_t n) {
     int64_t i = 0;
 #if SL_AVX2
     const __m256 va = _mm256_set1_ps(a);
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i,
-                         _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_half8(v + i), _mm256_loadu_ps(y + i)));
 #endif
-    for (; i < n; i++) y[i] += a * x[i];
+    for (; i < n; i++) y[i] += a * half_to_float(v[i]);
+}
+
+/* A key or value into the cache, rounded to halves (to nearest, ties to even, on every build). */
+static inline void store_halves(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#if SL_F16C
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = float_to_half(src[i]);
 }
 
 /* Optional per-head RMSNorm (Qwen3's q_norm / k_norm), then rotary embedding in the Hugging Face
@@ -55,8 +81,8 @@ static void norm_rope(float *v, int64_t hd, const float *norm, float eps, const 
 }
 
 /* One query head over S cached keys/values: o = softmax(q.K / sqrt(hd)) V. p: S floats. */
-static void attend(const float *q, const float *keys, const float *vals, int64_t S, int64_t hd,
-                   float scale, float *p, float *o) {
+static void attend(const float *q, const uint16_t *keys, const uint16_t *vals, int64_t S,
+                   int64_t hd, float scale, float *p, float *o) {
     int64_t t = 0;
     float mx = -INFINITY, sum = 0.0f;
 #if SL_AVX2
@@ -64,19 +90,19 @@ static void attend(const float *q, const float *keys, const float *vals, int64_t
         /* four keys at a time: four independent FMA chains and one combined horizontal sum */
         for (; t + 4 <= S; t += 4) {
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            const float *k0 = keys + t * hd;
+            const uint16_t *k0 = keys + t * hd;
             for (int64_t d = 0; d < hd; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + d), a3);
+                a0 = _mm256_fmadd_ps(qv, load_half8(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, load_half8(k0 + hd + d), a1);
+                a2 = _mm256_fmadd_ps(qv, load_half8(k0 + 2 * hd + d), a2);
+                a3 = _mm256_fmadd_ps(qv, load_half8(k0 + 3 * hd + d), a3);
             }
             _mm_storeu_ps(p + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
         }
     }
 #endif
-    for (; t < S; t++) p[t] = dot_f32(q, keys + t * hd, hd) * scale;
+    for (; t < S; t++) p[t] = dot_half(q, keys + t * hd, hd) * scale;
     for (t = 0; t < S; t++) mx = p[t] > mx ? p[t] : mx;
     t = 0;
 #if SL_AVX2
@@ -101,16 +127,15 @@ static void attend(const float *q, const float *keys, const float *vals, int64_t
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
         for (t = 0; t < S; t++) {
             const __m256 w = _mm256_set1_ps(p[t] * inv);
-            const float *v = vals + t * hd + d0;
-            for (int j = 0; j < 8; j++)
-                acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+            const uint16_t *v = vals + t * hd + d0;
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, load_half8(v + 8 * j), acc[j]);
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
     }
 #endif
     if (d0 < hd) {
         memset(o + d0, 0, (size_t)(hd - d0) * sizeof(float));
-        for (t = 0; t < S; t++) axpy_f32(p[t] * inv, vals + t * hd + d0, o + d0, hd - d0);
+        for (t = 0; t < S; t++) axpy_half(p[t] * inv, vals + t * hd + d0, o + d0, hd - d0);
     }
 }
 
@@ -120,7 +145,7 @@ static void attend(const float *q, const float *keys, const float *vals, int64_t
  * out: [B * T, H * hd]. scores: span floats per thread, span > the largest position. */
 void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
                     const float *cos_table, const float *sin_table, const int64_t *starts,
-                    const int64_t *slots, float *kc, float *vc, int64_t capacity,
+                    const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t capacity,
                     const float *q_norm, const float *k_norm, float eps, float *out, float *scores,
                     int64_t span) {
     const int64_t width = (H + 2 * KV) * hd, G = H / KV, tasks = B * T * KV;
@@ -135,19 +160,33 @@ void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, flo
         float *key = row + (H + k) * hd, *val = row + (H + KV + k) * hd;
         norm_rope(key, hd, k_norm, eps, c, s);
         const int64_t at = slots[b] * slot_stride + k * head_stride + pos * hd;
-        memcpy(kc + at, key, (size_t)hd * sizeof(float));
-        memcpy(vc + at, val, (size_t)hd * sizeof(float));
+        store_halves(kc + at, key, hd);
+        store_halves(vc + at, val, hd);
     }
     /* the barrier above: every key is in the cache before anyone attends */
     float *p = scores + (int64_t)omp_get_thread_num() * span;
+    if (tasks >= 4 * omp_get_num_threads()) {
+        /* a kv head's query heads together: its keys and values come from memory once */
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t r = task / KV, k = task % KV, b = r / T, pos = starts[b] + r % T;
-        const float *keys = kc + slots[b] * slot_stride + k * head_stride;
-        const float *vals = vc + slots[b] * slot_stride + k * head_stride;
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t h = k * G + g;
-            attend(qkv + r * width + h * hd, keys, vals, pos + 1, hd, scale, p,
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t r = task / KV, k = task % KV, b = r / T, pos = starts[b] + r % T;
+            const uint16_t *keys = kc + slots[b] * slot_stride + k * head_stride;
+            const uint16_t *vals = vc + slots[b] * slot_stride + k * head_stride;
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t h = k * G + g;
+                attend(qkv + r * width + h * hd, keys, vals, pos + 1, hd, scale, p,
+                       out + r * H * hd + h * hd);
+            }
+        }
+    } else {
+        /* few kv heads for the threads (one stream's decode: 3 for 2 threads would leave one
+         * idle a third of the time): a query head each, in runs of neighbours, so a kv head's
+         * query heads mostly share a thread. The same attend per head: the same bits. */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < B * T * H; task++) {
+            const int64_t r = task / H, h = task % H, b = r / T, pos = starts[b] + r % T;
+            const int64_t at = slots[b] * slot_stride + (h / G) * head_stride;
+            attend(qkv + r * width + h * hd, kc + at, vc + at, pos + 1, hd, scale, p,
                    out + r * H * hd + h * hd);
         }
     }
@@ -155,9 +194,9 @@ void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, flo
 
 void sl_attention(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
                   const float *cos_table, const float *sin_table, const int64_t *starts,
-                  const int64_t *slots, float *kc, float *vc, int64_t capacity, const float *q_norm,
-                  const float *k_norm, float eps, float *out, float *scores, int64_t span,
-                  int nthreads) {
+                  const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t capacity,
+                  const float *q_norm, const float *k_norm, float eps, float *out, float *scores,
+                  int64_t span, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     attention_body(B, T, H, KV, hd, qkv, cos_table, sin_table, starts, slots, kc, vc, capacity,
                    q_norm, k_norm, eps, out, scores, span);

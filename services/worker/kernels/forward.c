@@ -11,8 +11,9 @@
  * One parallel region for the whole step: the threads meet at barriers between stages instead
  * of being started and joined ~270 times. */
 void sl_forward(const sl_model *m, int64_t B, int64_t T, float *x, const int64_t *starts,
-                const int64_t *slots, float *kc, float *vc, int64_t cache_slots, int64_t capacity,
-                int64_t span, const sl_scratch *w, float *logits, int64_t n_logits, int nthreads) {
+                const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t cache_slots,
+                int64_t capacity, int64_t span, const sl_scratch *w, float *logits,
+                int64_t n_logits, int nthreads) {
     const int64_t C = m->hidden, H = m->heads, KV = m->kv_heads, hd = m->head_dim, M = B * T;
     const int64_t layer_elems = cache_slots * KV * capacity * hd, nb = C / QK;
 #pragma omp parallel num_threads(nthreads)

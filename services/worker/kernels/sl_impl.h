@@ -60,6 +60,62 @@
 #endif
 #endif
 
+/* F16C (vcvtph2ps / vcvtps2ph): every AVX2 CPU has it; a build without it converts in C. */
+#if SL_AVX2 && defined(__F16C__)
+#define SL_F16C 1
+#else
+#define SL_F16C 0
+#endif
+
+/* ---- IEEE half precision (the KV cache's element) ------------------------------------------ */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Exact: every half is a float. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F;
+    uint32_t man = h & 0x3FF;
+    if (exp == 0x1F) return bits_f32(sign | 0x7F800000 | man << 13); /* inf, nan */
+    if (exp) return bits_f32(sign | (exp + 112) << 23 | man << 13);
+    if (!man) return bits_f32(sign);
+    uint32_t e = 113; /* a subnormal: shift its leading one into the implicit bit */
+    while (!(man & 0x400)) {
+        man <<= 1;
+        e--;
+    }
+    return bits_f32(sign | e << 23 | (man & 0x3FF) << 13);
+}
+
+/* Round to nearest, ties to even, as vcvtps2ph does (F. Giesen's float_to_half_fast3_rtne):
+ * the scalar build writes the same cache bits as the vector builds. */
+static inline uint16_t float_to_half(float f) {
+    uint32_t u = f32_bits(f);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint16_t h;
+    if (u >= (127u + 16) << 23) { /* at least 2^16: inf, or nan */
+        h = u > 255u << 23 ? 0x7E00 : 0x7C00;
+    } else if (u < 113u << 23) { /* below 2^-14: a subnormal or zero; the FPU's add rounds */
+        const float magic = bits_f32(((127u - 15) + (23 - 10) + 1) << 23);
+        h = (uint16_t)(f32_bits(bits_f32(u) + magic) - f32_bits(magic));
+    } else {
+        const uint32_t odd = (u >> 13) & 1;
+        u += ((uint32_t)(15 - 127) << 23) + 0xFFF + odd;
+        h = (uint16_t)(u >> 13);
+    }
+    return (uint16_t)(h | sign >> 16);
+}
+
 /* ---- vector helpers ----------------------------------------------------------------------- */
 
 #if SL_AVX2
@@ -145,9 +201,10 @@ SL_INTERNAL void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const 
 /* attention over the slot KV cache, decode and prefill (attention.c documents the arguments) */
 SL_INTERNAL void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
                                 const float *cos_table, const float *sin_table,
-                                const int64_t *starts, const int64_t *slots, float *kc, float *vc,
-                                int64_t capacity, const float *q_norm, const float *k_norm,
-                                float eps, float *out, float *scores, int64_t span);
+                                const int64_t *starts, const int64_t *slots, uint16_t *kc,
+                                uint16_t *vc, int64_t capacity, const float *q_norm,
+                                const float *k_norm, float eps, float *out, float *scores,
+                                int64_t span);
 /* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
 SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                              const float *xs, float *y, int accumulate);

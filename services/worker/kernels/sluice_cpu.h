@@ -19,7 +19,9 @@
  *   Q5_M weight  Q8_M's values (0..31) packed as Q4_1 (eight rows interleaved) plus a plane of
  *                their fifth bits: wq uint8 [N/8, nb, 160], wd and wm float [N/8, nb, 8]; the
  *                5-bit types' layout wherever N % 8 == 0 (matmul.c documents the bytes)
- *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] floats
+ *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] IEEE halves (uint16), as
+ *                llama.cpp keeps it: one stream's decode reads every cached key and value once
+ *                a token, at a few hundred tokens a tenth of the bytes the weights take
  *
  * Threads: every entry point takes nthreads and uses OpenMP, the same libgomp torch loaded, so
  * the two share one thread pool instead of fighting over the cores.
@@ -177,11 +179,12 @@ void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const fl
  * both: a token's logits do not depend on the path, the batch or the chunk that computed it. */
 void sl_attention(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
                   const float *cos_table, const float *sin_table, const int64_t *starts,
-                  const int64_t *slots, float *kc, float *vc, int64_t capacity, const float *q_norm,
-                  const float *k_norm, float eps, float *out, float *scores, int64_t span,
-                  int nthreads);
+                  const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t capacity,
+                  const float *q_norm, const float *k_norm, float eps, float *out, float *scores,
+                  int64_t span, int nthreads);
 void sl_forward(const sl_model *m, int64_t B, int64_t T, float *x, const int64_t *starts,
-                const int64_t *slots, float *kc, float *vc, int64_t cache_slots, int64_t capacity,
-                int64_t span, const sl_scratch *w, float *logits, int64_t n_logits, int nthreads);
+                const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t cache_slots,
+                int64_t capacity, int64_t span, const sl_scratch *w, float *logits,
+                int64_t n_logits, int nthreads);
 
 #endif

@@ -241,6 +241,10 @@ class QuantizedLlama(nn.Module):
     # attention.c reads keys and values 0..pos of each row, all written by this sequence or the
     # prefix it reused: the cache need not be zero-filled (KVCache ``zeroed``)
     reads_only_written_kv = True
+    # attention.c keeps keys and values as IEEE halves, as llama.cpp's default cache does: one
+    # stream's decode reads the whole cache every token, and at a few hundred tokens fp32 keys
+    # and values were an eighth of the step's bytes (docs/benchmarks.md)
+    kv_dtype = torch.float16
 
     def __init__(
         self, model: LlamaModel, kernels: Kernels, file: FileWeights | None = None
@@ -289,6 +293,8 @@ class QuantizedLlama(nn.Module):
         (T = 1) and prefill (T > 1) in one call to the kernels, through the same code, so a
         token's logits do not depend on which of the two computed it (see ``sl_forward``)."""
         B, T = idx.shape
+        if cache.k.dtype != self.kv_dtype:  # the C side would read fp32 as pairs of halves
+            raise TypeError(f"the kernels' KV cache holds {self.kv_dtype}, not {cache.k.dtype}")
         rows, span = B * T, int(batch.span)
         x = self.embed(idx.reshape(rows))  # (rows, C) residual stream
         logits = torch.empty(B * n_logits, self.head.out_features)

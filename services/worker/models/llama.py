@@ -192,6 +192,9 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         cache.write(self.layer, k, v, batch)
         keys, values = cache.read(self.layer, batch)  # (B, KV, S, hd) each
+        # a cache narrower than the compute (the CPU kernels' halves, when a test runs this
+        # model on their cache's precision) is widened here; the same dtype is not copied
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         if batch.t == 1:
             y = grouped_decode_attention(q, keys, values, batch.mask)  # (B, H, 1, hd)
         else:

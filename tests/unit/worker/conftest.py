@@ -21,7 +21,7 @@ def _has_avx2() -> bool:
         )
     except (OSError, StopIteration):
         return False
-    return " avx2 " in f" {flags} " and " fma " in f" {flags} "
+    return all(f" {flag} " in f" {flags} " for flag in ("avx2", "fma", "f16c"))
 
 
 @pytest.fixture(scope="module", params=["native", "avx2", "scalar"])

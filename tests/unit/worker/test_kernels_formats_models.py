@@ -39,8 +39,9 @@ torch.set_num_threads(1)
 
 
 def _logits(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill logits of two ragged prompts in two slots, then one decode step of both rows."""
-    cache = model_cache(model, slots=2)
+    """Prefill logits of two ragged prompts in two slots, then one decode step of both rows,
+    on a cache of halves (the kernels' keys and values; the dense model reads them widened)."""
+    cache = model_cache(model, slots=2, dtype=torch.float16)
     rows = [prefill_logits(model, prompts[0], cache=cache)]
     batch = build_batch([1], [0], len(prompts[1]), torch.device("cpu"))
     with torch.inference_mode():
@@ -180,7 +181,10 @@ def test_q4_k_m_mix_runs_on_the_kernels(tmp_path: Path, caplog: pytest.LogCaptur
     assert "Q5_K x1: Q5_M kernel on the file's blocks" in logged
     prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
     for got, want in zip(_logits(auto, prompts), _logits(dense, prompts), strict=True):
-        assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+        # Random Q6_K and Q5_K blocks make values up to ~250, where one 8-bit activation that
+        # rounds the other way moves a logit most: the worst logit is 1.4-2.3 % of the largest
+        # as caches and roundings vary (the mean 0.35 %), so this test allows 3 %.
+        assert (got - want).abs().max().item() < 0.03 * want.abs().max().item()
 
 
 def test_lazy_load_still_rejects_non_finite_blocks(tmp_path: Path) -> None:

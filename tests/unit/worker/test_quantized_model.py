@@ -72,7 +72,7 @@ def test_quantized_llama_tracks_the_dense_model(k: Kernels, arch: str) -> None:
     g = _gen(300)
     slots, lengths = [2, 0, 3], [7, 3, 12]  # ragged rows in non-contiguous slots
     prompts = [torch.randint(0, VOCAB, (1, t), generator=g) for t in lengths]
-    caches = [_decode_cache(dense), _decode_cache(dense)]
+    caches = [_decode_cache(dense), _decode_cache(quantized)]  # fp32; the kernels' halves
     last = []
     with torch.inference_mode():
         for slot, ids in zip(slots, prompts, strict=True):
