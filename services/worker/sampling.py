@@ -94,18 +94,49 @@ def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(out, cfg.top_k).values[-1]
         out = out.masked_fill(out < kth, float("-inf"))
     if cfg.top_p < 1.0:
-        sorted_logits, order = torch.sort(out, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before
-        # it already reaches top_p (the most likely token always stays).
-        before = torch.cumsum(probs, dim=-1) - probs
-        drop = torch.zeros_like(out, dtype=torch.bool)
-        drop[order] = before >= cfg.top_p
-        out = out.masked_fill(drop, float("-inf"))
+        out = _nucleus(out, cfg.top_p)
     if cfg.min_p > 0.0:
         probs = torch.softmax(out, dim=-1)
         out = out.masked_fill(probs < cfg.min_p * probs.max(), float("-inf"))
     return out
+
+
+# How many of the best tokens are ranked, in turn, when looking for the top_p nucleus: a nucleus
+# is rarely wider than the first, and a wider one than the second costs one sort of everything.
+NUCLEUS_RANKS = (64, 1024)
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` with every token outside the top_p nucleus set to -inf: keep the smallest
+    prefix of the tokens by probability whose mass reaches top_p, i.e. drop a token when the mass
+    before it already reaches top_p (the most likely token always stays).
+
+    Why not sort the vocabulary: on a CPU a 49k-entry sort took ~4 ms a token, more than a whole
+    decode step of the default model; the few best tokens (``topk``) decide it in ~0.25 ms.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    n = probs.numel()
+    for k in [*(k for k in NUCLEUS_RANKS if k < n), n]:
+        best, order = torch.topk(probs, k) if k < n else torch.sort(probs, descending=True)
+        before = torch.cumsum(best, dim=-1) - best
+        # these k reach top_p: every token after them has at least that much mass before it
+        if k == n or float(before[-1] + best[-1]) >= top_p:
+            drop = torch.ones_like(logits, dtype=torch.bool)
+            drop[order[before < top_p]] = False
+            return logits.masked_fill(drop, float("-inf"))
+    raise AssertionError("unreachable: the last rank is the whole vocabulary")
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` by inverting its cumulative sum at a uniform draw: a token of
+    zero probability is never chosen (its sum equals the one before it). ~10x faster on a CPU
+    than ``torch.multinomial`` over a 49k vocabulary (~1 ms a token), the same distribution."""
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.rand(1, generator=generator, device=probs.device) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i < probs.numel():
+        return i
+    return int(torch.nonzero(probs)[-1])  # u rounded up to the total: the last possible token
 
 
 def sample_next_token(
@@ -125,8 +156,7 @@ def sample_next_token(
         # numpy's argmax: ~20x faster than torch's on a 50k-vocab row on CPU (5 vs 90 us), and
         # it starts no OpenMP threads. Both return the first maximum.
         return int(logits.numpy().argmax()) if logits.device.type == "cpu" else int(logits.argmax())
-    probs = torch.softmax(filter_logits(logits, cfg), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return _draw(torch.softmax(filter_logits(logits, cfg), dim=-1), generator)
 
 
 def top_logprobs(
