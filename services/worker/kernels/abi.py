@@ -122,7 +122,8 @@ class BlockQ4K(ctypes.Structure):
 
 class Linear(ctypes.Structure):
     """``sl_linear``: a packed linear's buffers and its format (``SL_*``: 2 Q4_0, 3 Q4_1, 8 Q8_0
-    as ggml numbers them, 64 Q8_M, 65 Q8_16, 66 Q5_M; | 256 SL_X8 for int8 rows interleaved)."""
+    as ggml numbers them, 64 Q8_M, 65 Q8_16, 66 Q5_M; | 256 SL_X8 for int8 rows interleaved,
+    | 512 SL_H16 for scales and minimums held as halves)."""
 
     _fields_ = [
         ("q", _P),

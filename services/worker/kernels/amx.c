@@ -75,9 +75,9 @@ static uint8_t *scratch(size_t bytes) {
 /* Two groups' blocks as B tiles (512 bytes a block) with their scales and minimums as 16 lanes
  * (Q8_16: scales of values 0..15, then of 16..31). wm NULL: Q8 without minimums, or Q4_0, whose
  * minimum is -8 wd, computed as the VNNI tile does. */
-static void unpack_pair(const int kind, int64_t nb, const uint8_t *w0, const uint8_t *w1,
-                        const float *d0, const float *d1, const float *m0, const float *m1,
-                        uint8_t *tiles, float *dv, float *mv) {
+static void unpack_pair(const int kind, const int half, int64_t nb, const uint8_t *w0,
+                        const uint8_t *w1, const void *d0, const void *d1, const void *m0,
+                        const void *m1, uint8_t *tiles, float *dv, float *mv) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *tb = tiles + b * 512;
@@ -112,8 +112,8 @@ static void unpack_pair(const int kind, int64_t nb, const uint8_t *w0, const uin
         }
         const int per = kind == AMX_Q8_16 ? 16 : 8;
         for (int h = 0; h < per / 8; h++) {
-            const __m256 a = _mm256_loadu_ps(d0 + b * per + 8 * h);
-            const __m256 c = d1 ? _mm256_loadu_ps(d1 + b * per + 8 * h) : _mm256_setzero_ps();
+            const __m256 a = load_scales8(d0, b * per + 8 * h, half);
+            const __m256 c = d1 ? load_scales8(d1, b * per + 8 * h, half) : _mm256_setzero_ps();
             _mm512_store_ps(dv + (b * per / 8 + h) * 16,
                             _mm512_insertf32x8(_mm512_castps256_ps512(a), c, 1));
         }
@@ -121,8 +121,8 @@ static void unpack_pair(const int kind, int64_t nb, const uint8_t *w0, const uin
             const __m512 d = _mm512_load_ps(dv + b * 16);
             _mm512_store_ps(mv + b * 16, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)));
         } else if (m0) {
-            const __m256 a = _mm256_loadu_ps(m0 + b * 8);
-            const __m256 c = m1 ? _mm256_loadu_ps(m1 + b * 8) : _mm256_setzero_ps();
+            const __m256 a = load_scales8(m0, b * 8, half);
+            const __m256 c = m1 ? load_scales8(m1, b * 8, half) : _mm256_setzero_ps();
             _mm512_store_ps(mv + b * 16, _mm512_insertf32x8(_mm512_castps256_ps512(a), c, 1));
         }
     }
@@ -232,7 +232,7 @@ static void prepare_rows(int64_t M, int64_t K, const int8_t *xq, const float *xd
 }
 
 void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                   const float *xs, const void *wq, const float *wd, const float *wm,
+                   const float *xs, const void *wq, const void *wd, const void *wm, int half,
                    const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK, groups = N / 8, row_tiles = (M + 15) / 16;
     const int64_t wblock = kind == AMX_Q4 ? 128 : kind == AMX_Q5 ? 160 : 256;
@@ -260,10 +260,11 @@ void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, 
         const int64_t g0 = 2 * p;
         const int two = g0 + 1 < groups;
         const uint8_t *w = wq;
-        unpack_pair(kind, nb, w + g0 * nb * wblock, two ? w + (g0 + 1) * nb * wblock : NULL,
-                    wd + g0 * nb * dper, two ? wd + (g0 + 1) * nb * dper : NULL,
-                    wm ? wm + g0 * nb * 8 : NULL, wm && two ? wm + (g0 + 1) * nb * 8 : NULL, tiles,
-                    dv, mv);
+        unpack_pair(kind, half, nb, w + g0 * nb * wblock, two ? w + (g0 + 1) * nb * wblock : NULL,
+                    scales_at(wd, g0 * nb * dper, half),
+                    two ? scales_at(wd, (g0 + 1) * nb * dper, half) : NULL,
+                    wm ? scales_at(wm, g0 * nb * 8, half) : NULL,
+                    wm && two ? scales_at(wm, (g0 + 1) * nb * 8, half) : NULL, tiles, dv, mv);
         const __mmask16 cols = two ? 0xFFFF : 0x00FF;
         const int64_t n0 = g0 * 8;
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();

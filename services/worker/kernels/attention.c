@@ -13,19 +13,6 @@ static int omp_get_thread_num(void) { return 0; }
 static int omp_get_num_threads(void) { return 1; }
 #endif
 
-/* Eight cached halves as floats. */
-#if SL_AVX2
-static inline __m256 load_half8(const uint16_t *p) {
-#if SL_F16C
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#else
-    return _mm256_setr_ps(half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]),
-                          half_to_float(p[3]), half_to_float(p[4]), half_to_float(p[5]),
-                          half_to_float(p[6]), half_to_float(p[7]));
-#endif
-}
-#endif
-
 /* q . k for a cached key k */
 static inline float dot_half(const float *q, const uint16_t *k, int64_t n) {
     int64_t i = 0;

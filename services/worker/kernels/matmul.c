@@ -84,14 +84,16 @@ static inline __attribute__((always_inline)) void unpack_q(const int five, const
 
 #if SL_VNNI
 static inline __attribute__((always_inline)) void
-q4x8_tile(const int mt, const int five, int64_t nb, int64_t K, const uint8_t *wg, const float *dg,
-          const float *mg, const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
+q4x8_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, const uint8_t *wg,
+          const void *dg, const void *mg, const int8_t *xq, const float *xd, const float *xs,
+          __m256 *acc) {
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wg + b * (five ? Q5X8_BLOCK : Q4X8_BLOCK);
         /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
-        const __m256 d = _mm256_loadu_ps(dg + b * 8);
-        const __m256 m = mg ? _mm256_loadu_ps(mg + b * 8) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 d = load_scales8(dg, b * 8, half);
+        const __m256 m =
+            mg ? load_scales8(mg, b * 8, half) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         __m256i lo[4], hi[4]; /* unpacked once for the mt rows (32 registers: room for all) */
         for (int j = 0; j < 4; j++) unpack_q(five, wb, j, &lo[j], &hi[j]);
         for (int t = 0; t < mt; t++) {
@@ -115,8 +117,9 @@ q4x8_tile(const int mt, const int five, int64_t nb, int64_t K, const uint8_t *wg
  * 2 mt + 5 registers live, and the unpacking is still shared by the mt rows. Five-bit values
  * reach 2 x 2 x 31 x 127 = 15748 per vector: two vectors' sums fit int16, then go to int32. */
 static inline __attribute__((always_inline)) void
-q4x8_tile(const int mt, const int five, int64_t nb, int64_t K, const uint8_t *wg, const float *dg,
-          const float *mg, const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
+q4x8_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, const uint8_t *wg,
+          const void *dg, const void *mg, const int8_t *xq, const float *xd, const float *xs,
+          __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int per16 = five ? 2 : 4; /* vectors summed in int16 */
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
@@ -138,8 +141,9 @@ q4x8_tile(const int mt, const int five, int64_t nb, int64_t K, const uint8_t *wg
                 for (int t = 0; t < mt; t++) s32[t] = _mm256_madd_epi16(s16[t], ones);
         }
         /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
-        const __m256 d = _mm256_loadu_ps(dg + b * 8);
-        const __m256 m = mg ? _mm256_loadu_ps(mg + b * 8) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 d = load_scales8(dg, b * 8, half);
+        const __m256 m =
+            mg ? load_scales8(mg, b * 8, half) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         for (int t = 0; t < mt; t++) {
             __m256i sum = _mm256_madd_epi16(s16[t], ones);
             if (five) sum = _mm256_add_epi32(s32[t], sum);
@@ -154,9 +158,9 @@ q4x8_tile(const int mt, const int five, int64_t nb, int64_t K, const uint8_t *wg
 #else
 /* Rows 8g..8g+7 (values and fifth bits at wg, scales dg, minimums mg or NULL) against rows
  * 0..mt-1 of x, the generic loops: out[t][r] = row t's product with weight row r. */
-static void q4x8_generic(const int five, int mt, int64_t nb, int64_t K, const uint8_t *wg,
-                         const float *dg, const float *mg, const int8_t *xq, const float *xd,
-                         const float *xs, float (*out)[8]) {
+static void q4x8_generic(const int five, const int half, int mt, int64_t nb, int64_t K,
+                         const uint8_t *wg, const void *dg, const void *mg, const int8_t *xq,
+                         const float *xd, const float *xs, float (*out)[8]) {
     for (int t = 0; t < mt; t++) {
         for (int r = 0; r < 8; r++) {
             float sum = 0.0f;
@@ -177,8 +181,9 @@ static void q4x8_generic(const int five, int mt, int64_t nb, int64_t K, const ui
                         dot += lo * x[4 * j + i] + hi * x[16 + 4 * j + i];
                     }
                 }
-                const float mr = mg ? mg[b * 8 + r] : -8.0f * dg[b * 8 + r];
-                sum += dg[b * 8 + r] * xd[t * nb + b] * (float)dot + mr * xs[t * nb + b];
+                const float dr = scale_at(dg, b * 8 + r, half);
+                const float mr = mg ? scale_at(mg, b * 8 + r, half) : -8.0f * dr;
+                sum += dr * xd[t * nb + b] * (float)dot + mr * xs[t * nb + b];
             }
             out[t][r] = sum;
         }
@@ -188,11 +193,12 @@ static void q4x8_generic(const int five, int mt, int64_t nb, int64_t K, const ui
 
 static inline __attribute__((always_inline)) void
 gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-        const float *xs, const uint8_t *wq, const float *wd, const float *wm, const float *bias,
-        float *y, int accumulate) {
+        const float *xs, const uint8_t *wq, const void *wd, const void *wm, const int half,
+        const float *bias, float *y, int accumulate) {
 #if SL_AMX /* amx.c defines gemm_amx_body only then (an -O0 build would not link) */
     if (M >= SL_AMX_MIN_M && amx_usable()) {
-        gemm_amx_body(five ? AMX_Q5 : AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
+        gemm_amx_body(five ? AMX_Q5 : AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
+                      accumulate);
         return;
     }
 #endif
@@ -200,7 +206,8 @@ gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
         const uint8_t *wg = wq + g * nb * (five ? Q5X8_BLOCK : Q4X8_BLOCK);
-        const float *dg = wd + g * nb * 8, *mg = wm ? wm + g * nb * 8 : NULL;
+        const void *dg = scales_at(wd, g * nb * 8, half);
+        const void *mg = wm ? scales_at(wm, g * nb * 8, half) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = M - m0 < MT ? (int)(M - m0) : MT;
             float out[MT][8];
@@ -209,12 +216,12 @@ gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const
 #if SL_AVX2
             __m256 acc[MT];
             if (five)
-                DISPATCH_TILE(q4x8_tile, mt, 1, nb, K, wg, dg, mg, x, d, s, acc)
+                DISPATCH_TILE(q4x8_tile, mt, 1, half, nb, K, wg, dg, mg, x, d, s, acc)
             else
-                DISPATCH_TILE(q4x8_tile, mt, 0, nb, K, wg, dg, mg, x, d, s, acc)
+                DISPATCH_TILE(q4x8_tile, mt, 0, half, nb, K, wg, dg, mg, x, d, s, acc)
             for (int t = 0; t < mt; t++) _mm256_storeu_ps(out[t], acc[t]);
 #else
-            q4x8_generic(five, mt, nb, K, wg, dg, mg, x, d, s, out);
+            q4x8_generic(five, half, mt, nb, K, wg, dg, mg, x, d, s, out);
 #endif
             for (int t = 0; t < mt; t++)
                 for (int r = 0; r < 8; r++)
@@ -224,57 +231,60 @@ gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const
 }
 
 void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                    const float *xs, const uint8_t *wq, const float *wd, const float *wm,
+                    const float *xs, const uint8_t *wq, const void *wd, const void *wm, int half,
                     const float *bias, float *y, int accumulate) {
-    gemm_x8(0, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
+    gemm_x8(0, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
 }
 
 void gemm_q5_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                  const float *xs, const uint8_t *wq, const float *wd, const float *wm,
+                  const float *xs, const uint8_t *wq, const void *wd, const void *wm, int half,
                   const float *bias, float *y, int accumulate) {
-    gemm_x8(1, M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
+    gemm_x8(1, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
 }
 
 void sl_gemm_q4_1(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                   const float *xs, const uint8_t *wq, const float *wd, const float *wm,
                   const float *bias, float *y, int accumulate, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
-    gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, wm, bias, y, accumulate);
+    gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, wm, 0, bias, y, accumulate);
 }
 
 void sl_gemm_q4_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                   const float *xs, const uint8_t *wq, const float *wd, const float *bias, float *y,
                   int accumulate, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
-    gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, NULL, bias, y, accumulate);
+    gemm_q4_1_body(M, N, K, xq, xd, xs, wq, wd, NULL, 0, bias, y, accumulate);
 }
 
 void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd, const float *xs,
                  float *y, int accumulate) {
+    const int half = (l->type & SL_H16) != 0;
+    const int64_t type = l->type & ~(int64_t)(SL_X8 | SL_H16);
     if (l->type & SL_X8) {
-        const int type = (int)(l->type & ~(int64_t)SL_X8);
         gemm_q8x8_body(M, l->n, l->k, xq, xd, xs, (const int8_t *)l->q, l->d,
-                       type == SL_Q8_M ? l->m : NULL, type == SL_Q8_16, l->bias, y, accumulate);
+                       type == SL_Q8_M ? l->m : NULL, type == SL_Q8_16, half, l->bias, y,
+                       accumulate);
         return;
     }
-    switch (l->type) {
+    switch (type) {
     case SL_Q5_M:
-        gemm_q5_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, l->m, l->bias, y,
+        gemm_q5_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, l->m, half, l->bias, y,
                      accumulate);
         break;
-    case SL_Q8_0:
+    case SL_Q8_0: /* rows not interleaved (N % 8 != 0): float scales only */
     case SL_Q8_M:
     case SL_Q8_16:
-        gemm_q8_body(M, l->n, l->k, xq, xd, xs, (const int8_t *)l->q, l->d,
-                     l->type == SL_Q8_M ? l->m : NULL, l->type == SL_Q8_16, l->bias, y, accumulate);
+        gemm_q8_body(M, l->n, l->k, xq, xd, xs, (const int8_t *)l->q, (const float *)l->d,
+                     type == SL_Q8_M ? (const float *)l->m : NULL, type == SL_Q8_16, l->bias, y,
+                     accumulate);
         break;
     case SL_Q4_0: /* the Q4_1 GEMM without minimums */
-        gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, NULL, l->bias, y,
-                       accumulate);
+        gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, NULL, half, l->bias,
+                       y, accumulate);
         break;
     default:
-        gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, l->m, l->bias, y,
-                       accumulate);
+        gemm_q4_1_body(M, l->n, l->k, xq, xd, xs, (const uint8_t *)l->q, l->d, l->m, half, l->bias,
+                       y, accumulate);
         break;
     }
 }

@@ -145,8 +145,9 @@ static inline __m256i dot4_acc(__m256i s, __m256i wabs, __m256i w, __m256i x4) {
 }
 
 static inline __attribute__((always_inline)) void
-q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg, const float *dg,
-          const float *mg, const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
+q8x8_tile(const int mt, const int sub16, const int half, int64_t nb, int64_t K, const int8_t *wg,
+          const void *dg, const void *mg, const int8_t *xq, const float *xd, const float *xs,
+          __m256 *acc) {
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *wb = wg + b * Q8X8_BLOCK;
@@ -155,8 +156,8 @@ q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg
             w[j] = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
             wabs[j] = _mm256_sign_epi8(w[j], w[j]);
         }
-        const __m256 d0 = _mm256_loadu_ps(dg + b * (sub16 ? 16 : 8));
-        const __m256 d1 = sub16 ? _mm256_loadu_ps(dg + b * 16 + 8) : d0;
+        const __m256 d0 = load_scales8(dg, b * (sub16 ? 16 : 8), half);
+        const __m256 d1 = sub16 ? load_scales8(dg, b * 16 + 8, half) : d0;
         for (int t = 0; t < mt; t++) {
             const int8_t *x = xq + t * K + b * QK;
             __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
@@ -171,7 +172,7 @@ q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xv), dots, acc[t]);
             }
             if (mg)
-                acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mg + b * 8),
+                acc[t] = _mm256_fmadd_ps(load_scales8(mg, b * 8, half),
                                          _mm256_set1_ps(xs[t * nb + b]), acc[t]);
         }
     }
@@ -198,8 +199,9 @@ q8x8_half(const int mt, int64_t K, const int8_t *wb, const int8_t *x, __m256i *s
 }
 
 static inline __attribute__((always_inline)) void
-q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg, const float *dg,
-          const float *mg, const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
+q8x8_tile(const int mt, const int sub16, const int half, int64_t nb, int64_t K, const int8_t *wg,
+          const void *dg, const void *mg, const int8_t *xq, const float *xd, const float *xs,
+          __m256 *acc) {
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *wb = wg + b * Q8X8_BLOCK, *x = xq + b * QK;
@@ -207,7 +209,7 @@ q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg
         for (int t = 0; t < mt; t++) s32[t] = _mm256_setzero_si256();
         q8x8_half(mt, K, wb, x, s32);
         if (sub16) { /* the first half's sums, scaled, before the second's */
-            const __m256 d = _mm256_loadu_ps(dg + b * 16);
+            const __m256 d = load_scales8(dg, b * 16, half);
             for (int t = 0; t < mt; t++) {
                 const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
                 acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s32[t]), acc[t]);
@@ -215,13 +217,13 @@ q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg
             }
         }
         q8x8_half(mt, K, wb + 128, x + 16, s32);
-        const __m256 d = _mm256_loadu_ps(dg + b * (sub16 ? 16 : 8) + (sub16 ? 8 : 0));
+        const __m256 d = load_scales8(dg, b * (sub16 ? 16 : 8) + (sub16 ? 8 : 0), half);
         for (int t = 0; t < mt; t++) {
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
             acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s32[t]), acc[t]);
         }
         if (mg) {
-            const __m256 m = _mm256_loadu_ps(mg + b * 8);
+            const __m256 m = load_scales8(mg, b * 8, half);
             for (int t = 0; t < mt; t++)
                 acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * nb + b]), acc[t]);
         }
@@ -231,12 +233,12 @@ q8x8_tile(const int mt, const int sub16, int64_t nb, int64_t K, const int8_t *wg
 #endif
 
 void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                    const float *xs, const int8_t *wq, const float *wd, const float *wm, int sub16,
-                    const float *bias, float *y, int accumulate) {
+                    const float *xs, const int8_t *wq, const void *wd, const void *wm, int sub16,
+                    int half, const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK, per_block = sub16 ? 16 : 8;
 #if SL_AMX /* amx.c defines gemm_amx_body only then (an -O0 build would not link) */
     if (M >= SL_AMX_MIN_M && amx_usable()) {
-        gemm_amx_body(sub16 ? AMX_Q8_16 : AMX_Q8, M, N, K, xq, xd, xs, wq, wd, wm, bias, y,
+        gemm_amx_body(sub16 ? AMX_Q8_16 : AMX_Q8, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
                       accumulate);
         return;
     }
@@ -244,7 +246,8 @@ void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
         const int8_t *wg = wq + g * nb * Q8X8_BLOCK;
-        const float *dg = wd + g * nb * per_block, *mg = wm ? wm + g * nb * 8 : NULL;
+        const void *dg = scales_at(wd, g * nb * per_block, half);
+        const void *mg = wm ? scales_at(wm, g * nb * 8, half) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = M - m0 < MT ? (int)(M - m0) : MT;
             float out[MT][8];
@@ -253,9 +256,9 @@ void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
             const int8_t *x = xq + m0 * K;
             const float *d = xd + m0 * nb, *s = xs ? xs + m0 * nb : NULL;
             if (sub16) {
-                DISPATCH_TILE(q8x8_tile, mt, 1, nb, K, wg, dg, mg, x, d, s, acc)
+                DISPATCH_TILE(q8x8_tile, mt, 1, half, nb, K, wg, dg, mg, x, d, s, acc)
             } else {
-                DISPATCH_TILE(q8x8_tile, mt, 0, nb, K, wg, dg, mg, x, d, s, acc)
+                DISPATCH_TILE(q8x8_tile, mt, 0, half, nb, K, wg, dg, mg, x, d, s, acc)
             }
             for (int t = 0; t < mt; t++) _mm256_storeu_ps(out[t], acc[t]);
 #else
@@ -272,11 +275,11 @@ void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
                                 dot[j / 4] += wb[32 * j + 4 * r + i] * x[4 * j + i];
                         const float xv = xd[row * nb + b];
                         if (sub16)
-                            sum += dg[b * 16 + r] * xv * (float)dot[0] +
-                                   dg[b * 16 + 8 + r] * xv * (float)dot[1];
+                            sum += scale_at(dg, b * 16 + r, half) * xv * (float)dot[0] +
+                                   scale_at(dg, b * 16 + 8 + r, half) * xv * (float)dot[1];
                         else
-                            sum += dg[b * 8 + r] * xv * (float)(dot[0] + dot[1]);
-                        if (mg) sum += mg[b * 8 + r] * xs[row * nb + b];
+                            sum += scale_at(dg, b * 8 + r, half) * xv * (float)(dot[0] + dot[1]);
+                        if (mg) sum += scale_at(mg, b * 8 + r, half) * xs[row * nb + b];
                     }
                     out[t][r] = sum;
                 }

@@ -116,6 +116,16 @@ static inline uint16_t float_to_half(float f) {
     return (uint16_t)(h | sign >> 16);
 }
 
+/* Weight scales and minimums: floats, or halves where they come from a GGUF's own f16 fields
+ * (SL_H16): half the bytes, the same values, and one stream's decode reads them every token. */
+static inline const void *scales_at(const void *p, int64_t i, const int half) {
+    return (const char *)p + i * (half ? 2 : 4);
+}
+
+static inline float scale_at(const void *p, int64_t i, const int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
 /* ---- vector helpers ----------------------------------------------------------------------- */
 
 #if SL_AVX2
@@ -159,6 +169,22 @@ static inline __m256i bcast4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
+/* eight halves as floats */
+static inline __m256 load_half8(const uint16_t *p) {
+#if SL_F16C
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    return _mm256_setr_ps(half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]),
+                          half_to_float(p[3]), half_to_float(p[4]), half_to_float(p[5]),
+                          half_to_float(p[6]), half_to_float(p[7]));
+#endif
+}
+
+/* scales i..i+7 (see scales_at) */
+static inline __m256 load_scales8(const void *p, int64_t i, const int half) {
+    return half ? load_half8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
 /* [hsum(a), hsum(b), hsum(c), hsum(d)] */
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -176,28 +202,30 @@ SL_INTERNAL void rmsnorm_quantize_body(const float *x, const float *w, float eps
                                        int64_t K, int8_t *xq, float *xd, float *xs, float *tmp);
 SL_INTERNAL void swiglu_quantize_body(const float *gu, int64_t M, int64_t I, int8_t *xq, float *xd,
                                       float *xs, float *tmp);
+/* half: the scales and minimums are IEEE halves (SL_H16) */
 SL_INTERNAL void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                                const float *xs, const uint8_t *wq, const float *wd,
-                                const float *wm, const float *bias, float *y, int accumulate);
+                                const float *xs, const uint8_t *wq, const void *wd, const void *wm,
+                                int half, const float *bias, float *y, int accumulate);
 /* Q5_M: the Q4 layout with the values' fifth bits (matmul.c documents it) */
 SL_INTERNAL void gemm_q5_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                              const float *xs, const uint8_t *wq, const float *wd, const float *wm,
-                              const float *bias, float *y, int accumulate);
+                              const float *xs, const uint8_t *wq, const void *wd, const void *wm,
+                              int half, const float *bias, float *y, int accumulate);
 /* int8 weights (q8.c): scales per 32 values, or per 16 (sub16); optional minimums per 32 */
 SL_INTERNAL void gemm_q8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                               const float *xs, const int8_t *wq, const float *wd, const float *wm,
                               int sub16, const float *bias, float *y, int accumulate);
 /* the same, eight rows interleaved (SL_X8: q8.c documents the layout) */
 SL_INTERNAL void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                                const float *xs, const int8_t *wq, const float *wd, const float *wm,
-                                int sub16, const float *bias, float *y, int accumulate);
+                                const float *xs, const int8_t *wq, const void *wd, const void *wm,
+                                int sub16, int half, const float *bias, float *y, int accumulate);
 /* 1 when amx.c's GEMMs can run: built with AMX and the kernel granted the tile state */
 SL_INTERNAL int amx_usable(void);
 /* the eight-row interleaved GEMMs on AMX tiles (M >= SL_AMX_MIN_M; amx.c documents them) */
 enum { AMX_Q4, AMX_Q5, AMX_Q8, AMX_Q8_16 };
 SL_INTERNAL void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq,
-                               const float *xd, const float *xs, const void *wq, const float *wd,
-                               const float *wm, const float *bias, float *y, int accumulate);
+                               const float *xd, const float *xs, const void *wq, const void *wd,
+                               const void *wm, int half, const float *bias, float *y,
+                               int accumulate);
 /* attention over the slot KV cache, decode and prefill (attention.c documents the arguments) */
 SL_INTERNAL void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
                                 const float *cos_table, const float *sin_table,

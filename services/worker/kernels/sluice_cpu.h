@@ -57,6 +57,7 @@ enum {
     SL_Q8_16 = 65, /* int8 values, a scale per 16: Q6_K */
     SL_Q5_M = 66,  /* Q8_M's values in five bits, eight rows interleaved (N % 8 == 0) */
     SL_X8 = 256,   /* flag on the Q8 formats: eight rows interleaved (N % 8 == 0; see q8.c) */
+    SL_H16 = 512,  /* flag: the scales and minimums are IEEE halves (Q4_0, Q4_1, Q5_M, Q8_0 | X8) */
 };
 
 /* The GGUF blocks the formats come from (ggml's block_q4_0 etc.; d and m are IEEE halves). The
@@ -116,10 +117,11 @@ typedef struct {
 /* These structs are mirrored field by field by the ctypes Structures in __init__.py (Linear,
  * Layer, Model, Scratch): change both together. */
 
-/* A packed linear: weights, scales, minimums (Q4_1 only), optional bias, its format (SL_*). */
+/* A packed linear: weights, scales, minimums (Q4_1 only), optional bias, its format (SL_*, with
+ * the X8 and H16 flags): scales and minimums are floats, or IEEE halves under SL_H16. */
 typedef struct {
-    const void *q;
-    const float *d, *m, *bias;
+    const void *q, *d, *m;
+    const float *bias;
     int64_t n, k, type;
 } sl_linear;
 

@@ -38,6 +38,8 @@ from services.worker.kernels.abi import (
 __all__ = [
     "BLOCK_BYTES",
     "FOUR_BIT_TYPES",
+    "H16",
+    "HALF_LAYOUTS",
     "INTERLEAVED",
     "KERNEL_TYPES",
     "MIXED",
@@ -45,6 +47,7 @@ __all__ = [
     "X8",
     "FileWeights",
     "QuantBlocks",
+    "as_halves",
     "by_group",
     "dequantize_blocks",
     "finite",
@@ -61,6 +64,9 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 Q8_M, Q8_16 = 64, 65  # sluice's int8 layouts (sluice_cpu.h SL_Q8_M, SL_Q8_16)
 Q5_M = 66  # Q8_M's values in five bits, eight rows interleaved (SL_Q5_M)
 X8 = 256  # flag on an int8 format: eight rows interleaved (SL_X8)
+H16 = 512  # flag: the scales and minimums are IEEE halves (SL_H16)
+# the layouts whose kernels read halves (the interleaved ones)
+HALF_LAYOUTS = frozenset({Q4_0, Q4_1, Q5_M, Q8_0 | X8})
 MIXED = -1  # QuantBlocks.qtype of a fused weight whose parts differ in type (see cat)
 QK_K = 256  # values per K-quant super-block
 # A kernel reads these blocks exactly: as they are, or re-laid out (pack_blocks).
@@ -135,6 +141,20 @@ class FileWeights:
 def _f16(raw: torch.Tensor, offset: int) -> torch.Tensor:
     """The f16 at ``offset`` of every block of ``raw`` (N, nb, bytes) as fp32 (N, nb)."""
     return raw[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def as_halves(
+    scales: torch.Tensor, minimums: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Scales and minimums as IEEE halves where every one of them is exactly a half (those a
+    GGUF block stores as its own f16 fields, and Q5_0's -16 d), else None (the K-quants' products
+    of an f16 and a 6-bit scale, weights re-quantized from floats): half the bytes, which one
+    stream's decode reads every token, and the same values."""
+    parts = [scales] if minimums is None else [scales, minimums]
+    halves = [p.half() for p in parts]
+    if not all(torch.equal(h.float(), p) for h, p in zip(halves, parts, strict=True)):
+        return None
+    return halves[0], halves[1] if minimums is not None else None
 
 
 def by_group(t: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,8 @@ from services.worker.kernels import QK, Activations, Kernels, Layer, Linear, Mod
 from services.worker.kv_cache import AttentionBatch, KVCache
 from services.worker.models.blocks import (
     FOUR_BIT_TYPES,
+    H16,
+    HALF_LAYOUTS,
     INTERLEAVED,
     Q4_0,
     Q4_1,
@@ -46,6 +48,7 @@ from services.worker.models.blocks import (
     X8,
     FileWeights,
     QuantBlocks,
+    as_halves,
     dequantize_blocks,
     interleave_q8,
     pack_blocks,
@@ -121,6 +124,10 @@ class PackedLinear:
         if self.type not in (*INTERLEAVED, Q5_M) and self.out_features % 8 == 0:
             self.layout |= X8
             self.q, self.d, m = interleave_q8(self.type, self.q, self.d, m)
+        halves = as_halves(self.d, m) if self.layout in HALF_LAYOUTS else None
+        if halves is not None:  # | H16: the scales (and minimums) are halves
+            self.layout |= H16
+            self.d, m = halves
         self.m = m  # minimums (Q4_1, Q8_M, Q5_M); the other formats have none
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.view = self.struct()  # one struct for every call (its buffers live as long as self)

@@ -25,6 +25,7 @@ from services.worker.kernels import (
 )
 from services.worker.models.blocks import (
     BLOCK_BYTES,
+    H16,
     Q5_M,
     Q8_16,
     Q8_M,
@@ -236,14 +237,19 @@ def test_gemm_largest_values_do_not_saturate(k: Kernels, qtype: Q, m: int) -> No
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K])
 def test_int8_formats_row_by_row_and_interleaved(k: Kernels, qtype: Q, m: int) -> None:
     """Eight rows interleaved when N % 8 == 0 (the 5-bit types as Q5_M: 160 bytes per eight
-    rows' block), else row by row: the same products."""
+    rows' block), else row by row: the same products. Interleaved, the types whose scales are
+    the blocks' own f16 fields keep them as halves (H16); the K-quants' products cannot."""
     for n in (36, 48):
         blocks, w = _grid(qtype, n, 256, seed=m + n)
         linear = PackedLinear(blocks, None)
+        layout = linear.layout & ~H16
         if qtype in (Q.Q5_0, Q.Q5_1, Q.Q5_K) and n % 8 == 0:
-            assert linear.layout == Q5_M and linear.q.numel() == n // 8 * (256 // QK) * 160
+            assert layout == Q5_M and linear.q.numel() == n // 8 * (256 // QK) * 160
         else:
-            assert bool(linear.layout & X8) == (n % 8 == 0)
+            assert bool(layout & X8) == (n % 8 == 0)
+        halves = n % 8 == 0 and qtype in (Q.Q8_0, Q.Q5_0, Q.Q5_1)
+        assert bool(linear.layout & H16) == halves
+        assert linear.d.dtype == (torch.float16 if halves else torch.float32)
         a = _activations(m, 256, seed=200 + m)
         y = torch.full((m, n), float("nan"))
         linear(k, a, y)
