@@ -31,7 +31,12 @@ pytestmark = pytest.mark.integration
 MODEL = "tiny-hermes"
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "maximum": 9}},
+    # both bounds: with "maximum" alone, any negative integer is valid, and noise can write one
+    # digit after another until max_tokens (seen: -123001863262237909444545)
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
@@ -117,13 +122,16 @@ async def test_anthropic_tool_choice_any_and_tool(
             "tools": [weather],
             "thinking": {"type": "disabled"},
         }
-        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        # one call each: with parallel calls allowed, noise may open call after call until
+        # max_tokens cuts one off (the grammar lets it; only this test's stop_reason minds)
+        one = {"disable_parallel_tool_use": True}
+        for choice in ({"type": "any", **one}, {"type": "tool", "name": "get_weather", **one}):
             used = await client.messages.create(**common, tool_choice=choice)  # type: ignore[call-overload]
             blocks = [b for b in used.content if b.type == "tool_use"]
             assert used.stop_reason == "tool_use" and blocks
             jsonschema.validate(blocks[0].input, SCHEMA)
             await stored_ok(redis, used.id)
-        async with client.messages.stream(**common, tool_choice={"type": "any"}) as stream:  # type: ignore[arg-type]
+        async with client.messages.stream(**common, tool_choice={"type": "any", **one}) as stream:  # type: ignore[arg-type]
             final = await stream.get_final_message()
         blocks = [b for b in final.content if b.type == "tool_use"]
         assert blocks and final.stop_reason == "tool_use"
