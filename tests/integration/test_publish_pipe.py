@@ -22,7 +22,7 @@ from shared.events import Start, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
 from shared.protocol import LEASE_LOST, Scripts
 from tests.integration.test_worker_bus import read_stream, submit
-from tests.invariants import check_stream
+from tests.invariants import check_stream, generated_token_ids
 from tests.job_factory import as_job
 from tests.worker_models import write_hf_model
 
@@ -89,7 +89,9 @@ async def test_a_decode_loops_steps_go_out_one_pipeline_each(
     redis_url: str, redis: aioredis.Redis, tmp_path: Path
 ) -> None:
     """Eight sequences decoding together: their entries leave in far fewer round trips than
-    entries (one per step when the loop hands a step over in one turn)."""
+    entries (one per step when the loop hands a step over in one turn). An entry may carry
+    several steps (a sequence's batches that wait while the loop is busy are joined), so the
+    tokens are counted, not the entries."""
     write_hf_model(tmp_path / "tiny", seed=3)
     loaded = load_model(str(tmp_path / "tiny"), device="cpu")
     backend = TorchBackend(loaded, max_batch=8)
@@ -108,10 +110,12 @@ async def test_a_decode_loops_steps_go_out_one_pipeline_each(
             )
             assert await submit(redis_url, as_job(request, backend))
         for rid in rids:
-            check_stream(await read_stream(redis, rid))
+            events = await read_stream(redis, rid)
+            check_stream(events)
+            assert len(generated_token_ids(events)) == 64
         entries = sum([await redis.xlen(keys.events(r)) for r in rids])
         assert worker.wc.pipe is not None
         trips = worker.wc.pipe.round_trips
-        assert entries >= 8 * 64 and trips * 3 <= entries, (trips, entries)
+        assert trips * 3 <= entries, (trips, entries)
     finally:
         await worker.stop(0.5)
