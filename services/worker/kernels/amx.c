@@ -73,8 +73,8 @@ static uint8_t *scratch(size_t bytes) {
 }
 
 /* Two groups' blocks as B tiles (512 bytes a block) with their scales and minimums as 16 lanes
- * (Q8_16: scales of values 0..15, then of 16..31). wm NULL: Q8 without minimums, or Q4_0, whose
- * minimum is -8 wd, computed as the VNNI tile does. */
+ * (Q8_16: scales of values 0..15, then of 16..31). wm NULL: Q8 without minimums, or Q4_0 and
+ * Q5_0, whose minimums are -8 wd and -16 wd, computed as the VNNI tile does. */
 static void unpack_pair(const int kind, const int half, int64_t nb, const uint8_t *w0,
                         const uint8_t *w1, const void *d0, const void *d1, const void *m0,
                         const void *m1, uint8_t *tiles, float *dv, float *mv) {
@@ -117,9 +117,10 @@ static void unpack_pair(const int kind, const int half, int64_t nb, const uint8_
             _mm512_store_ps(dv + (b * per / 8 + h) * 16,
                             _mm512_insertf32x8(_mm512_castps256_ps512(a), c, 1));
         }
-        if (kind == AMX_Q4 && !m0) { /* Q4_0 */
+        if ((kind == AMX_Q4 || kind == AMX_Q5) && !m0) { /* Q4_0, Q5_0: -8 d, -16 d */
             const __m512 d = _mm512_load_ps(dv + b * 16);
-            _mm512_store_ps(mv + b * 16, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)));
+            const float by = kind == AMX_Q5 ? -16.0f : -8.0f;
+            _mm512_store_ps(mv + b * 16, _mm512_mul_ps(d, _mm512_set1_ps(by)));
         } else if (m0) {
             const __m256 a = load_scales8(m0, b * 8, half);
             const __m256 c = m1 ? load_scales8(m1, b * 8, half) : _mm256_setzero_ps();
@@ -242,7 +243,7 @@ void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, 
     const size_t tiles_b = (size_t)nb * 512, dv_b = (size_t)nb * 32 * sizeof(float),
                  mv_b = (size_t)nb * 16 * sizeof(float),
                  xt_b = (size_t)(row_tiles * nb * 32) * sizeof(float), pad_b = 16 * (size_t)K;
-    const int has_m = kind == AMX_Q4 || wm; /* Q5_M always has minimums */
+    const int has_m = kind == AMX_Q4 || kind == AMX_Q5 || wm; /* implied for Q4_0 and Q5_0 */
     uint8_t *buf = NULL;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < (groups + 1) / 2; p++) {

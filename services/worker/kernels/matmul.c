@@ -90,10 +90,11 @@ q4x8_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, c
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wg + b * (five ? Q5X8_BLOCK : Q4X8_BLOCK);
-        /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
+        /* Q4_0 and Q5_0 (no minimums): w = d * (q - 8) or d * (q - 16), i.e. Q4_1 and Q5_M
+         * with m = -8 d and -16 d */
         const __m256 d = load_scales8(dg, b * 8, half);
-        const __m256 m =
-            mg ? load_scales8(mg, b * 8, half) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 m = mg ? load_scales8(mg, b * 8, half)
+                            : _mm256_mul_ps(d, _mm256_set1_ps(five ? -16.0f : -8.0f));
         __m256i lo[4], hi[4]; /* unpacked once for the mt rows (32 registers: room for all) */
         for (int j = 0; j < 4; j++) unpack_q(five, wb, j, &lo[j], &hi[j]);
         for (int t = 0; t < mt; t++) {
@@ -140,10 +141,11 @@ q4x8_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, c
             if (five && j == 1)
                 for (int t = 0; t < mt; t++) s32[t] = _mm256_madd_epi16(s16[t], ones);
         }
-        /* Q4_0 (no minimums): w = d * (q - 8), i.e. Q4_1 with m = -8 d */
+        /* Q4_0 and Q5_0 (no minimums): w = d * (q - 8) or d * (q - 16), i.e. Q4_1 and Q5_M
+         * with m = -8 d and -16 d */
         const __m256 d = load_scales8(dg, b * 8, half);
-        const __m256 m =
-            mg ? load_scales8(mg, b * 8, half) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 m = mg ? load_scales8(mg, b * 8, half)
+                            : _mm256_mul_ps(d, _mm256_set1_ps(five ? -16.0f : -8.0f));
         for (int t = 0; t < mt; t++) {
             __m256i sum = _mm256_madd_epi16(s16[t], ones);
             if (five) sum = _mm256_add_epi32(s32[t], sum);
@@ -182,7 +184,7 @@ static void q4x8_generic(const int five, const int half, int mt, int64_t nb, int
                     }
                 }
                 const float dr = scale_at(dg, b * 8 + r, half);
-                const float mr = mg ? scale_at(mg, b * 8 + r, half) : -8.0f * dr;
+                const float mr = mg ? scale_at(mg, b * 8 + r, half) : (five ? -16.0f : -8.0f) * dr;
                 sum += dr * xd[t * nb + b] * (float)dot + mr * xs[t * nb + b];
             }
             out[t][r] = sum;

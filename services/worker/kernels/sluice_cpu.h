@@ -18,7 +18,8 @@
  *   Q8_16 weight wq int8 [N, nb, 32], wd float [N, 2 nb]: one scale per 16 values (Q6_K)
  *   Q5_M weight  Q8_M's values (0..31) packed as Q4_1 (eight rows interleaved) plus a plane of
  *                their fifth bits: wq uint8 [N/8, nb, 160], wd and wm float [N/8, nb, 8]; the
- *                5-bit types' layout wherever N % 8 == 0 (matmul.c documents the bytes)
+ *                5-bit types' layout wherever N % 8 == 0 (matmul.c documents the bytes); wm
+ *                NULL: Q5_0's minimums, -16 wd, implied as Q4_0's -8 wd are
  *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] IEEE halves (uint16), as
  *                llama.cpp keeps it: one stream's decode reads every cached key and value once
  *                a token, at a few hundred tokens a tenth of the bytes the weights take

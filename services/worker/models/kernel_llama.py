@@ -113,6 +113,8 @@ class PackedLinear:
                 assert m is not None
                 self.type = Q5_M
                 self.q, self.d, m = pack_q5_m(self.q, self.d, m)
+                if torch.equal(m, -16.0 * self.d):  # Q5_0's: the kernels imply them, as Q4_0's
+                    m = None
         elif fmt == "q4_1":
             self.type = FORMATS[fmt]
             self.q, self.d, m = pack_q4_1(weight)

@@ -238,7 +238,8 @@ def test_gemm_largest_values_do_not_saturate(k: Kernels, qtype: Q, m: int) -> No
 def test_int8_formats_row_by_row_and_interleaved(k: Kernels, qtype: Q, m: int) -> None:
     """Eight rows interleaved when N % 8 == 0 (the 5-bit types as Q5_M: 160 bytes per eight
     rows' block), else row by row: the same products. Interleaved, the types whose scales are
-    the blocks' own f16 fields keep them as halves (H16); the K-quants' products cannot."""
+    the blocks' own f16 fields keep them as halves (H16); the K-quants' products cannot; Q5_0's
+    minimums are left to the kernels."""
     for n in (36, 48):
         blocks, w = _grid(qtype, n, 256, seed=m + n)
         linear = PackedLinear(blocks, None)
@@ -250,6 +251,8 @@ def test_int8_formats_row_by_row_and_interleaved(k: Kernels, qtype: Q, m: int) -
         halves = n % 8 == 0 and qtype in (Q.Q8_0, Q.Q5_0, Q.Q5_1)
         assert bool(linear.layout & H16) == halves
         assert linear.d.dtype == (torch.float16 if halves else torch.float32)
+        if layout == Q5_M:  # Q5_0's minimums (-16 d) are implied, the others' stored
+            assert (linear.m is None) == (qtype == Q.Q5_0)
         a = _activations(m, 256, seed=200 + m)
         y = torch.full((m, n), float("nan"))
         linear(k, a, y)
