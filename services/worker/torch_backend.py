@@ -239,13 +239,14 @@ class TorchBackend:
         )
         self.scheduler.submit(seq)
         finished = False
-        due = 0.0  # loop time from which the next batch may go out
+        paced = self.stream_interval_s > 0
+        due = 0.0 if paced else None  # loop time from which the next batch may go out
         try:
             while not finished:
                 batch, error = await _gather(queue, due)
                 if batch:
                     finished = any(is_terminal(e) for e in batch)
-                    due = loop.time() + self.stream_interval_s
+                    due = loop.time() + self.stream_interval_s if paced else None
                     yield batch
                 if error is not None:
                     raise error
@@ -301,12 +302,12 @@ class TorchBackend:
 
 
 async def _gather(
-    queue: asyncio.Queue[list[AnyEvent] | BaseException], due: float
+    queue: asyncio.Queue[list[AnyEvent] | BaseException], due: float | None
 ) -> tuple[list[AnyEvent], BaseException | None]:
     """The next batch to hand on: the steps' batches waiting in ``queue`` and those that arrive
     before loop time ``due``, with their runs of deltas joined; a terminal event ends it at
     once, and so does an error, returned beside the events before it (the caller hands those on,
-    then raises it).
+    then raises it). ``due`` None (no pacing): the next step's batch alone, as it came.
 
     Why: one stream on a small model makes a step every few milliseconds, and each batch handed
     on costs a Redis entry, the API's projection and a frame the client parses, on the cores
@@ -316,6 +317,8 @@ async def _gather(
     loop = asyncio.get_running_loop()
     events: list[AnyEvent] = []
     item = await queue.get()
+    if due is None:
+        return ([], item) if isinstance(item, BaseException) else (item, None)
     while not isinstance(item, BaseException):
         events.extend(item)
         if any(is_terminal(e) for e in item):

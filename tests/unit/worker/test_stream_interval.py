@@ -18,7 +18,7 @@ def text(s: str, token: int) -> list[AnyEvent]:
     return [TextDelta(text=s, token_ids=[token])]
 
 
-async def gather(queue: Queue, due: float) -> list[AnyEvent]:
+async def gather(queue: Queue, due: float | None) -> list[AnyEvent]:
     """The batch, when no error came with it."""
     async with asyncio.timeout(GUARD_S):
         events, error = await _gather(queue, due)
@@ -26,12 +26,24 @@ async def gather(queue: Queue, due: float) -> list[AnyEvent]:
     return events
 
 
-async def test_what_waits_goes_out_as_one_batch_even_with_no_interval() -> None:
+async def test_what_waits_past_the_due_time_goes_out_as_one_batch() -> None:
     queue: Queue = asyncio.Queue()
     for i, s in enumerate("abc"):
         queue.put_nowait(text(s, i))
     assert await gather(queue, due=0.0) == [TextDelta(text="abc", token_ids=[0, 1, 2])]
     assert queue.empty()
+
+
+async def test_without_pacing_each_step_goes_out_alone() -> None:
+    """``SLUICE_STREAM_INTERVAL_S=0``: a batch per decode step, however many wait."""
+    queue: Queue = asyncio.Queue()
+    for i, s in enumerate("ab"):
+        queue.put_nowait(text(s, i))
+    queue.put_nowait(RuntimeError("boom"))
+    assert await gather(queue, due=None) == text("a", 0)
+    assert await gather(queue, due=None) == text("b", 1)
+    events, error = await _gather(queue, due=None)
+    assert events == [] and isinstance(error, RuntimeError)
 
 
 async def test_steps_that_arrive_before_the_due_time_join_the_batch() -> None:
