@@ -232,9 +232,10 @@ static void prepare_rows(int64_t M, int64_t K, const int8_t *xq, const float *xd
     }
 }
 
-void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                   const float *xs, const void *wq, const void *wd, const void *wm, int half,
-                   const float *bias, float *y, int accumulate) {
+int gemm_on_amx(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                const float *xs, const void *wq, const void *wd, const void *wm, int half,
+                const float *bias, float *y, int accumulate) {
+    if (M < SL_AMX_MIN_M || !amx_usable()) return 0; /* every thread alike: the same M */
     const int64_t nb = K / QK, groups = N / 8, row_tiles = (M + 15) / 16;
     const int64_t wblock = kind == AMX_Q4 ? 128 : kind == AMX_Q5 ? 160 : 256;
     const int64_t dper = kind == AMX_Q8_16 ? 16 : 8;
@@ -294,6 +295,7 @@ void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq, 
         }
     }
     if (buf) _tile_release(); /* back to the init state: no 8 KiB to save on a switch */
+    return 1;
 }
 #else
 int amx_usable(void) { return 0; }

@@ -197,13 +197,9 @@ static inline __attribute__((always_inline)) void
 gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
         const float *xs, const uint8_t *wq, const void *wd, const void *wm, const int half,
         const float *bias, float *y, int accumulate) {
-#if SL_AMX /* amx.c defines gemm_amx_body only then (an -O0 build would not link) */
-    if (M >= SL_AMX_MIN_M && amx_usable()) {
-        gemm_amx_body(five ? AMX_Q5 : AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
-                      accumulate);
+    if (gemm_on_amx(five ? AMX_Q5 : AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
+                    accumulate))
         return;
-    }
-#endif
     const int64_t nb = K / QK;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {

@@ -236,13 +236,9 @@ void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
                     const float *xs, const int8_t *wq, const void *wd, const void *wm, int sub16,
                     int half, const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK, per_block = sub16 ? 16 : 8;
-#if SL_AMX /* amx.c defines gemm_amx_body only then (an -O0 build would not link) */
-    if (M >= SL_AMX_MIN_M && amx_usable()) {
-        gemm_amx_body(sub16 ? AMX_Q8_16 : AMX_Q8, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
-                      accumulate);
+    if (gemm_on_amx(sub16 ? AMX_Q8_16 : AMX_Q8, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
+                    accumulate))
         return;
-    }
-#endif
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
         const int8_t *wg = wq + g * nb * Q8X8_BLOCK;

@@ -220,12 +220,17 @@ SL_INTERNAL void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *x
                                 int sub16, int half, const float *bias, float *y, int accumulate);
 /* 1 when amx.c's GEMMs can run: built with AMX and the kernel granted the tile state */
 SL_INTERNAL int amx_usable(void);
-/* the eight-row interleaved GEMMs on AMX tiles (M >= SL_AMX_MIN_M; amx.c documents them) */
+/* The eight-row interleaved GEMMs on AMX tiles (amx.c documents them): run when the call has
+ * at least SL_AMX_MIN_M rows and the tiles are usable; 1 when they ran, 0 when the caller's own
+ * tiles must. A build without AMX has nothing to call (nor to link, even at -O0). */
 enum { AMX_Q4, AMX_Q5, AMX_Q8, AMX_Q8_16 };
-SL_INTERNAL void gemm_amx_body(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq,
-                               const float *xd, const float *xs, const void *wq, const void *wd,
-                               const void *wm, int half, const float *bias, float *y,
-                               int accumulate);
+#if SL_AMX
+SL_INTERNAL int gemm_on_amx(int kind, int64_t M, int64_t N, int64_t K, const int8_t *xq,
+                            const float *xd, const float *xs, const void *wq, const void *wd,
+                            const void *wm, int half, const float *bias, float *y, int accumulate);
+#else
+#define gemm_on_amx(...) 0
+#endif
 /* attention over the slot KV cache, decode and prefill (attention.c documents the arguments) */
 SL_INTERNAL void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
                                 const float *cos_table, const float *sin_table,
