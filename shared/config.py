@@ -42,7 +42,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # SLUICE_IDLE_POLL_S: workers poll their queue when a job is queued (its doorbell rings) and
     # at least this often; 0: every SLUICE_POLL_DELAY_S, as plain arq
     idle_poll_s: float = 1.0
-    max_batch: int = 16  # SLUICE_MAX_BATCH: concurrent sequences per worker
+    # SLUICE_MAX_BATCH: running sequences per worker, a cap beside the KV pool's blocks (0 = 64
+    # on the CPU, 256 on a GPU)
+    max_batch: int = 0
     # SLUICE_STREAM_INTERVAL_S: the least time between two publishes of one request; the
     # steps in between go out together (0: every step as its own entry)
     stream_interval_s: float = 0.02
@@ -75,10 +77,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # SLUICE_METRICS_PORT: a worker serves Prometheus metrics on http://SLUICE_HOST:port/metrics
     # (0 = off; the API always serves GET /metrics on its own port).
     metrics_port: int = 0
-    # SLUICE_MAX_CACHED_TOKENS: a worker admits a sequence only while the tokens reserved by
-    # its running sequences (prompt + max_tokens each) fit; 0 = as many as a 2 GiB KV budget
-    # holds for the model, at least one full context, at most max_batch full contexts.
+    # SLUICE_KV_CACHE_BYTES: the paged KV cache's pool, shared by running sequences and the
+    # prefix cache (0 = 15 % of physical memory up to 8 GiB on the CPU, 85 % of the GPU's free
+    # memory after the model loads); reserved, not touched until blocks fill.
+    kv_cache_bytes: int = 0
+    # SLUICE_MAX_CACHED_TOKENS: the pool in tokens instead of bytes (0 = from the bytes).
     max_cached_tokens: int = 0
+    kv_block_size: int = 16  # SLUICE_KV_BLOCK_SIZE: tokens per KV block (a multiple of 8)
+    # SLUICE_MAX_BATCHED_TOKENS: new tokens one forward step computes: every decoding
+    # sequence's next token, then prompt chunks in what is left (0 = 256 on the CPU, 2048 on
+    # a GPU). Smaller keeps streams smooth while long prompts arrive; larger reads prompts
+    # faster.
+    max_batched_tokens: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:

@@ -1,12 +1,13 @@
 """Greedy output invariance checks shared by the tiny-model and the default-model tests.
 
 One request's greedy tokens and log-probabilities (the logits' own bits, through
-``log_softmax``) are collected from the real ``TorchBackend`` (scheduler thread, prefix cache,
-chunked prefill, continuous batching) under each condition that must not change them: alone, with
-3 and 50 prompt tokens served from the prefix cache, decoded in a batch of 16 beside other
-requests, prefilled in chunks of 1, 7 and the whole prompt, prefilled on 1 and 3 threads
-(``SLUICE_PREFILL_THREADS``), and continued from the middle as a failover does (prompt + the
-tokens already generated prefilled on a fresh cache, then decoded).
+``log_softmax``) are collected from the real ``TorchBackend`` (scheduler thread, paged cache,
+prefix cache, chunked prefill mixed with decode, continuous batching) under each condition that
+must not change them: alone, with one and three blocks of the prompt served from the prefix cache,
+decoded in a batch of 16 beside other requests, prefilled in chunks of 1, 7 and the whole prompt,
+prefilled on 1 and 3 threads (``SLUICE_PREFILL_THREADS``), preempted after its first token and
+half way (its blocks taken back, recomputed from its tokens), and continued from the middle as a
+failover does (prompt + the tokens already generated prefilled on a fresh cache, then decoded).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.worker import kernels, scheduler
+from services.worker import kernels
+from services.worker.paging import Planner
 from services.worker.torch_backend import TorchBackend
 from shared.events import AnyEvent
 from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
@@ -65,9 +67,24 @@ async def greedy(
     return Greedy(generated_token_ids(events), probs)
 
 
+def preempt_once(patch: pytest.MonkeyPatch, planner: Planner, after: int) -> None:
+    """Make the planner preempt the request ``preempted`` once, as a dry pool would (at the
+    start of a step), when it has generated ``after`` tokens."""
+    plan = planner.plan
+
+    def plan_then_preempt() -> list:  # type: ignore[type-arg]
+        for seq in list(planner.active):
+            if seq.job.request_id == "preempted" and seq.generated == after and not seq.preempted:
+                planner.preempt(seq)
+        return plan()
+
+    patch.setattr(planner, "plan", plan_then_preempt)
+    patch.setattr(planner, "preemptions", 0)
+
+
 def _forget(b: TorchBackend) -> None:
     """Empty the prefix cache: the next request prefills its whole prompt."""
-    b.scheduler.cache.tokens = [[] for _ in range(b.max_batch)]
+    b.scheduler.clear_prefix_cache()
 
 
 async def check_invariance(
@@ -81,7 +98,8 @@ async def check_invariance(
     alone = await greedy(b, ids, max_tokens)
     assert len(alone.tokens) == max_tokens and alone.logprobs  # (markers carry no logprobs)
 
-    for reused in (3, 50):  # a finished request left exactly `reused` tokens to share
+    size = b.scheduler.cache.block_size
+    for reused in (size, 3 * size + 2):  # a finished request left `reused` tokens to share
         _forget(b)
         other = [*ids[:reused], (ids[reused] + 1) % vocab]
         await greedy(b, other, 1, rid="prefix")
@@ -96,12 +114,20 @@ async def check_invariance(
     )
     assert runs[-1] == alone, "decoding in a batch of 16 changed the output"
 
-    for chunk in (1, 7):  # whole: the runs above (the prompt is shorter than PREFILL_CHUNK)
+    for chunk in (1, 7):  # whole: the runs above (the prompt fits one step's token budget)
         _forget(b)
         with monkeypatch.context() as patch:
-            patch.setattr(scheduler, "PREFILL_CHUNK", chunk)
+            patch.setattr(b.scheduler.planner, "max_batched_tokens", chunk)
             got = await greedy(b, ids, max_tokens)
         assert got == alone, f"prefill in chunks of {chunk} changed the output"
+
+    for after in (1, max_tokens // 2):  # preempted, then recomputed from its tokens
+        _forget(b)
+        with monkeypatch.context() as patch:
+            preempt_once(patch, b.scheduler.planner, after)
+            got = await greedy(b, ids, max_tokens, rid="preempted")
+            assert b.scheduler.planner.preemptions == 1, "the preemption did not happen"
+        assert got == alone, f"a preemption after {after} tokens changed the output"
 
     built = kernels.load()  # the process's kernels, which the model runs on
     for threads in (1, 3):  # the split of a prompt chunk's rows between threads

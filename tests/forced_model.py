@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.worker.kv_cache import AttentionBatch, KVCache
+from services.worker.kv_cache import AttentionBatch, PagedKVCache
 from services.worker.loaders import LoadedModel, build_card
 from services.worker.models.llama import LlamaConfig
 from services.worker.torch_backend import TorchBackend
@@ -22,9 +22,10 @@ from tests.worker_models import CHAT_TEMPLATE, tiny_tokenizer
 class ForcedSequenceModel(nn.Module):
     """A model double whose logits force ``script`` token by token, then ``end_id`` forever.
 
-    It keeps, per cache slot, the position it expects next; a forward at any other position is a
-    new prefill, which restarts the script. Tests wrap it in a ``LoadedModel`` with a real
-    tokenizer and card, so the engine, decoder, template and parsers are all real.
+    It keeps, per sequence (``SeqRows.key``), the position it expects next; a forward at any
+    other position is a new prefill, which restarts the script. Tests wrap it in a
+    ``LoadedModel`` with a real tokenizer and card, so the engine, decoder, template and parsers
+    are all real.
     """
 
     def __init__(self, script: list[int], vocab_size: int, end_id: int, context: int = 256) -> None:
@@ -40,21 +41,22 @@ class ForcedSequenceModel(nn.Module):
             head_dim=2,
             context_length=context,
         )
-        self._next: dict[int, tuple[int, int]] = {}  # slot -> (next position, script index)
+        self._next: dict[int, tuple[int, int]] = {}  # sequence -> (next position, script index)
         self.dummy = nn.Parameter(torch.zeros(1))
 
     def forward(
-        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
+        self, idx: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache
     ) -> torch.Tensor:
-        """Return (B, 1, V) logits with a single clear winner per row."""
-        B, T = idx.shape  # (B, T)
-        out = torch.full((B, 1, self.config.vocab_size), -10.0)
-        for row, (slot, start) in enumerate(zip(batch.slots, batch.starts, strict=True)):
-            pos, k = self._next.get(slot, (-1, 0))
-            k = k if (T == 1 and start == pos) else 0
-            token = self.script[k] if k < len(self.script) else self.end_id
-            out[row, 0, token] = 10.0
-            self._next[slot] = (start + T, k + 1)
+        """Return (m, V) logits with a single clear winner per sequence that wants logits."""
+        out = torch.full((batch.logit_rows.numel(), self.config.vocab_size), -10.0)
+        row = 0
+        for s in batch.seqs:
+            pos, k = self._next.get(s.key, (-1, 0))
+            k = k if (s.count == 1 and s.start == pos) else 0
+            self._next[s.key] = (s.start + s.count, k + 1 if s.logits else k)
+            if s.logits:
+                out[row, self.script[k] if k < len(self.script) else self.end_id] = 10.0
+                row += 1
         return out
 
 

@@ -69,7 +69,7 @@ async def timed(b: TorchBackend, job: Job) -> tuple[float, float, int, int]:
 
 def fresh(b: TorchBackend) -> None:
     """Forget cached prefixes so every measurement prefills its whole prompt."""
-    b.scheduler.cache.tokens = [[] for _ in range(b.max_batch)]
+    b.scheduler.clear_prefix_cache()
 
 
 def random_smollm2_shape(directory: Path) -> str:

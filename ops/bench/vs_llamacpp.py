@@ -247,7 +247,7 @@ def run_ours(
 
     def fresh() -> None:
         # Forget cached prefixes so each measurement prefills its whole prompt.
-        backend.scheduler.cache.tokens = [[] for _ in range(backend.max_batch)]
+        backend.scheduler.clear_prefix_cache()
 
     async def go() -> None:
         await backend.start()

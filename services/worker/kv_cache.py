@@ -1,10 +1,13 @@
-"""The static per-slot KV cache and the per-forward attention batch description.
+"""The paged KV cache and the per-forward attention batch description.
 
-Owns cache memory and its layout: ``[layers, slots, kv_heads, capacity, head_dim]`` for keys and
-values, one slot per running sequence, each slot with its own length (ragged batches). Capacity
-grows by doubling up to the context length, so memory follows the longest live sequence rather
-than ``slots x context``. It also remembers which tokens each slot holds after its sequence ends,
-so a new prompt sharing a prefix reuses them (prefix caching within a worker).
+Owns cache memory and its layout: ``[layers, blocks, kv_heads, block_size, head_dim]`` for keys
+and values, one pool of fixed-size blocks shared by every sequence (``block_pool.BlockPool``
+decides which block holds what). A sequence's keys and values live in the blocks its block
+table lists, position ``p`` in block ``table[p // block_size]`` at offset ``p % block_size``;
+sequences whose prompts share a prefix share its blocks read-only.
+
+The pool is reserved at start-up (``torch.empty``: no page is touched until a block is first
+written, so resident memory follows the blocks in use, not the reservation).
 
 Knows nothing about models beyond shapes, nor about sampling or requests.
 """
@@ -15,145 +18,149 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionBatch", "KVCache", "build_batch", "common_prefix"]
+from services.worker.block_pool import BlockPool
+
+__all__ = ["AttentionBatch", "PagedKVCache", "SeqRows", "build_batch"]
+
+
+@dataclass(frozen=True)
+class SeqRows:
+    """One sequence's share of a forward: ``count`` new tokens after ``start`` cached ones,
+    written through ``table``; logits wanted for its last ``logits`` new tokens."""
+
+    key: int  # the scheduler's id for the sequence (stable across steps)
+    table: list[int]  # block ids covering positions 0 .. start + count - 1
+    start: int
+    count: int
+    logits: int = 1
 
 
 @dataclass
 class AttentionBatch:
-    """Where one forward's tokens live: B rows, each writing T tokens into a slot at ``starts``.
+    """Where one forward's ``n`` token rows live. Rows are grouped by sequence, in order.
 
     Built once per forward and shared by every layer.
     """
 
-    slots: list[int]  # cache slot of each row
-    starts: list[int]  # cached length of each slot before this forward
-    t: int  # new tokens per row
-    positions: torch.Tensor  # (B, T) absolute positions
-    mask: torch.Tensor  # (B, 1, T, S) bool, True = may attend
-    span: int  # S: keys read per row (max over rows of start + T)
-    slot_index: torch.Tensor  # (B,) long
-    start_index: torch.Tensor  # (B,) long
-    contiguous: bool  # slots are first..first+B-1: read a view instead of gathering
-    causal: bool  # nothing cached before: a plain causal mask (lets SDPA use fused kernels)
+    seqs: list[SeqRows]
+    positions: torch.Tensor  # (n,) int64 absolute position of each row
+    seq_index: torch.Tensor  # (n,) int64 which sequence (row of ``tables``) each row is
+    tables: torch.Tensor  # (S, W) int32 block tables, padded with block 0
+    logit_rows: torch.Tensor  # (m,) int64 rows whose logits the forward returns, ascending
+    span: int  # the longest sequence's length after this forward (keys its attention reads)
+    block_size: int
+    firsts: list[int]  # the row of each sequence's first new token
+
+    @property
+    def rows(self) -> int:
+        return int(self.positions.numel())
 
 
-def build_batch(
-    slots: list[int], starts: list[int], t: int, device: torch.device
-) -> AttentionBatch:
-    """Describe a forward of ``t`` new tokens for each (slot, start) row.
-
-    Args:
-        slots: cache slot per row.
-        starts: tokens already cached in that slot.
-        t: new tokens per row (rows of a multi-token forward must share ``t``).
-        device: where the index tensors live.
-
-    Returns:
-        The batch with positions and a causal, ragged-length mask.
-    """
-    start_index = torch.tensor(starts, dtype=torch.long, device=device)
-    positions = start_index[:, None] + torch.arange(t, device=device)[None, :]  # (B, T)
-    span = max(starts) + t
-    keys = torch.arange(span, device=device)  # (S,)
-    mask = keys[None, None, :] <= positions[:, :, None]  # (B, T, S)
-    contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+def build_batch(seqs: list[SeqRows], block_size: int, device: torch.device) -> AttentionBatch:
+    """Describe a forward over ``seqs`` (each table long enough for its new tokens)."""
+    positions: list[int] = []
+    index: list[int] = []
+    wanted: list[int] = []
+    firsts: list[int] = []
+    for i, s in enumerate(seqs):
+        if s.count < 1 or s.logits > s.count or len(s.table) * block_size < s.start + s.count:
+            raise ValueError(f"bad rows for a forward: {s.count} after {s.start}, {s.logits}")
+        first = len(positions)
+        firsts.append(first)
+        positions.extend(range(s.start, s.start + s.count))
+        index.extend([i] * s.count)
+        wanted.extend(range(first + s.count - s.logits, first + s.count))
+    width = max(len(s.table) for s in seqs)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.table)] = torch.tensor(s.table, dtype=torch.int32)
     return AttentionBatch(
-        slots=slots,
-        starts=starts,
-        t=t,
-        positions=positions,
-        mask=mask.unsqueeze(1),
-        span=span,
-        slot_index=torch.tensor(slots, dtype=torch.long, device=device),
-        start_index=start_index,
-        contiguous=contiguous,
-        causal=max(starts) == 0,
+        seqs=seqs,
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        seq_index=torch.tensor(index, dtype=torch.long, device=device),
+        tables=tables.to(device),
+        logit_rows=torch.tensor(wanted, dtype=torch.long, device=device),
+        span=max(s.start + s.count for s in seqs),
+        block_size=block_size,
+        firsts=firsts,
     )
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class KVCache:
-    """Keys and values for ``slots`` sequences, growing in capacity up to ``max_len`` tokens."""
+class PagedKVCache:
+    """Keys and values for every sequence, in ``num_blocks`` blocks of ``block_size`` tokens."""
 
     def __init__(
         self,
         *,
         layers: int,
-        slots: int,
+        num_blocks: int,
+        block_size: int,
         kv_heads: int,
         head_dim: int,
-        max_len: int,
         dtype: torch.dtype,
         device: torch.device,
-        initial: int = 256,
         zeroed: bool = True,
     ) -> None:
-        """Allocate an empty cache of ``min(initial, max_len)`` tokens per slot.
+        """Reserve the pool (untouched until used).
 
-        ``zeroed=False`` for a model whose attention reads only the positions it wrote (the CPU
-        kernels, attention.c): growth then neither fills the new capacity nor touches its
-        pages, so memory grows with the tokens actually cached (all slots' new capacity was
-        zero-filled at each doubling: a stall, and the whole reservation resident). Torch's
-        attention reads a span past shorter rows and masks it, and 0 x NaN from uninitialized
-        memory would leak through the mask: it keeps zeros."""
-        self.zeroed = zeroed
-        self.layers, self.slots, self.max_len = layers, slots, max_len
+        ``zeroed``: a block is zero-filled the first time it is handed out. Torch's attention
+        reads whole blocks and masks the positions past a sequence's length, and 0 x NaN from
+        never-written memory would leak through the mask; a block reused later holds finite
+        values. The CPU kernels read only positions they wrote and skip it.
+        """
+        if block_size % 8:
+            raise ValueError(f"the block size must be a multiple of 8, not {block_size}")
+        self.layers, self.num_blocks, self.block_size = layers, num_blocks, block_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
-        self.capacity = 0
-        self.k = torch.empty(0)
-        self.v = torch.empty(0)
-        self.lengths = [0] * slots
-        self.tokens: list[list[int]] = [[] for _ in range(slots)]  # what each slot's KV encodes
-        self._grow(min(initial, max_len))
+        self.zeroed = zeroed
+        shape = (layers, num_blocks, kv_heads, block_size, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.pool = BlockPool(num_blocks, block_size)
+        self._touched = [False] * num_blocks
 
-    def _grow(self, capacity: int) -> None:
-        shape = (self.layers, self.slots, self.kv_heads, capacity, self.head_dim)
-        make = torch.zeros if self.zeroed else torch.empty
-        k = make(shape, dtype=self.dtype, device=self.device)
-        v = make(shape, dtype=self.dtype, device=self.device)
-        if self.capacity:
-            k[:, :, :, : self.capacity] = self.k
-            v[:, :, :, : self.capacity] = self.v
-        self.k, self.v, self.capacity = k, v, capacity
+    @staticmethod
+    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Keys and values of one token in every layer."""
+        return layers * 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
-    def reserve(self, length: int) -> None:
-        """Make room for ``length`` tokens in every slot (doubling, capped at ``max_len``)."""
-        if length > self.max_len:
-            raise ValueError(f"{length} tokens exceed the cache limit of {self.max_len}")
-        if length > self.capacity:
-            cap = self.capacity
-            while cap < length:
-                cap *= 2
-            self._grow(min(cap, self.max_len))
+    @property
+    def tokens(self) -> int:
+        """The pool's capacity in tokens."""
+        return self.num_blocks * self.block_size
+
+    def allocate(self) -> int:
+        """A block for a sequence's next tokens (``BlockPool.allocate``), zeroed on first use
+        where the model needs it."""
+        block = self.pool.allocate()
+        if self.zeroed and not self._touched[block]:
+            self.k[:, block].zero_()
+            self.v[:, block].zero_()
+        self._touched[block] = True
+        return block
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
-        """Store ``k``/``v`` (B, KV, T, hd) for each row at its slot's next positions (rounded to
+        """Store ``k``/``v`` (n, KV, hd), one row per token, at each row's position (rounded to
         the cache's dtype where it is narrower)."""
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        if batch.t == 1:
-            # One token per row: a single scatter for the whole batch.
-            self.k[layer, batch.slot_index, :, batch.start_index] = k[:, :, 0]
-            self.v[layer, batch.slot_index, :, batch.start_index] = v[:, :, 0]
-            return
-        for row, (slot, start) in enumerate(zip(batch.slots, batch.starts, strict=True)):
-            self.k[layer, slot, :, start : start + batch.t] = k[row]
-            self.v[layer, slot, :, start : start + batch.t] = v[row]
+        pos = batch.positions
+        blocks = batch.tables[batch.seq_index, pos // self.block_size].long()
+        offsets = pos % self.block_size
+        self.k[layer][blocks, :, offsets] = k.to(self.dtype)
+        self.v[layer][blocks, :, offsets] = v.to(self.dtype)
 
-    def read(self, layer: int, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (B, KV, S, hd) for each row's slot, S = ``batch.span``."""
-        if batch.contiguous:
-            first = batch.slots[0]
-            rows = slice(first, first + len(batch.slots))
-            return self.k[layer, rows, :, : batch.span], self.v[layer, rows, :, : batch.span]
-        return (
-            self.k[layer, batch.slot_index, :, : batch.span],
-            self.v[layer, batch.slot_index, :, : batch.span],
-        )
+    def read(
+        self, layer: int, tables: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (S, KV, length, hd) of the sequences whose block tables are
+        ``tables`` (S, W), positions 0 .. length - 1 (past a sequence's own length: masked by
+        the caller). A gather: torch has no paged attention on the CPU."""
+        width = -(-length // self.block_size)
+        ids = tables[:, :width].long()
+        S = ids.shape[0]
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            blocks = cache[layer][ids]  # (S, W, KV, BS, hd)
+            blocks = blocks.permute(0, 2, 1, 3, 4).reshape(S, self.kv_heads, -1, self.head_dim)
+            return blocks[:, :, :length]
+
+        return gather(self.k), gather(self.v)

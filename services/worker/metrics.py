@@ -131,13 +131,20 @@ class WorkerMetrics:
         )
         self.engine_waiting = Gauge(
             "sluice_num_requests_waiting_engine",
-            "Requests picked up but waiting inside the engine for a slot or KV budget",
+            "Requests picked up but waiting inside the engine for KV blocks (queued or preempted)",
             m,
             registry=r,
         )
         self.kv_usage = Gauge(
             "sluice_kv_cache_usage_perc",
-            "Fraction of the KV-cache token budget reserved by running requests (0..1)",
+            "Fraction of the paged KV cache's blocks held by running requests (0..1)",
+            m,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "sluice_num_preemptions",
+            "Running requests whose KV blocks were taken back when the pool ran dry (each "
+            "resumes, recomputed from its tokens, when blocks free up)",
             m,
             registry=r,
         )
@@ -176,9 +183,9 @@ class WorkerMetrics:
     ) -> None:
         """Attach the gauges read at scrape time to the worker and its engine.
 
-        ``engine`` is the backend's scheduler when it has one (``active``, ``waiting``,
-        ``reserved``, ``max_cached_tokens``, ``on_step``); a backend without one reports no
-        engine queue, no KV usage and no decode steps.
+        ``engine`` is the backend's scheduler when it has one (``waiting``, ``kv_usage``,
+        ``planner.on_preempt``, ``on_step``); a backend without one reports no engine queue,
+        no KV usage and no decode steps.
         """
         self.info.labels(wid, model, device, version).set(1)
         self.running.labels(model).set_function(running)
@@ -187,9 +194,9 @@ class WorkerMetrics:
             self.kv_usage.labels(model).set(0)
             return
         self.engine_waiting.labels(model).set_function(lambda: float(engine.waiting))
-        self.kv_usage.labels(model).set_function(
-            lambda: engine.reserved / max(engine.max_cached_tokens, 1)
-        )
+        self.kv_usage.labels(model).set_function(lambda: float(engine.kv_usage))
+        preempted = self.preemptions.labels(model)
+        engine.planner.on_preempt = lambda _seq: preempted.inc()
         step, size = self.step_time.labels(model), self.batch_size.labels(model)
 
         def on_step(seconds: float, sequences: int) -> None:

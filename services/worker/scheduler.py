@@ -1,16 +1,17 @@
 """The continuous-batching decode loop: one thread, many sequences, one forward per step.
 
-Owns slot admission (with prefix reuse and the cached-token budget), chunked prefill
-interleaved with decode steps, token choice (forced marker, penalties, EOS masking, sampling,
-logprobs), stop conditions, and freeing slots the moment a sequence finishes or is cancelled.
-Events go back to each sequence's asyncio queue through ``loop.call_soon_threadsafe``; the
-asyncio side (``torch_backend.TorchBackend``) never touches tensors. Knows nothing about Redis.
+Owns the loop: each step admits what the paged cache can hold, asks the planner
+(``paging.Planner``) for the step's rows (every decoding sequence's next token plus prompt
+chunks within ``max_batched_tokens``), runs them as one forward, and turns the logits into
+tokens (forced marker, penalties, EOS masking, sampling, logprobs), stop conditions and events;
+a sequence's blocks are freed the moment it finishes or is cancelled. Events go back to each
+sequence's asyncio queue through ``loop.call_soon_threadsafe``; the asyncio side
+(``torch_backend.TorchBackend``) never touches tensors. Knows nothing about Redis.
 
-The budget: each sequence reserves the most tokens it can ever cache (prompt + resume + the
-tokens it may still generate, capped at the context), so a running sequence never runs out of
-room and nothing needs preempting. A pending sequence is admitted, in arrival order, only when a
-slot is free and its reservation fits beside the running ones; otherwise it waits (it is not
-rejected) until finishing sequences give their reservations back.
+A step mixes decode rows and prompt chunks in one forward, so a long prompt arriving while
+streams decode costs each of them a slightly longer step rather than a stall for the whole
+prompt. Greedy output does not depend on any of it: the kernels compute a token's keys, values
+and logits to the same bits whatever batch, chunk, block table or prefix-cache hit it came from.
 """
 
 from __future__ import annotations
@@ -18,81 +19,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from tokenizers import Tokenizer
 
-from services.worker.constrain import Constrainer, ConstraintState, PendingMasks
-from services.worker.kv_cache import KVCache, build_batch, common_prefix
+from services.worker.block_pool import root_hash
+from services.worker.constrain import Constrainer, PendingMasks
+from services.worker.kv_cache import PagedKVCache, SeqRows, build_batch
 from services.worker.models.llama import LlamaConfig
-from services.worker.sampling import (
-    SamplingConfig,
-    apply_penalties,
-    mask_tokens,
-    sample_next_token,
-    token_logprob,
-)
-from shared.events import AnyEvent, FinishReason, Start, TokenLogprob
-from shared.jobs import Job
+from services.worker.paging import Planner
+from services.worker.sampling import apply_penalties, mask_tokens, sample_next_token, token_logprob
+from services.worker.sequence import DecoderFactory, DecoderLike, SequenceState
+from shared.events import AnyEvent, FinishReason, Start
 
-__all__ = ["DecoderLike", "Scheduler", "SequenceState"]
+__all__ = ["DecoderFactory", "DecoderLike", "Scheduler", "SequenceState"]
 
 log = logging.getLogger(__name__)
-
-PREFILL_CHUNK = 512  # tokens per prefill forward: bounds how long decoding sequences wait
-
-
-class DecoderLike(Protocol):
-    """What the scheduler needs from ``services.worker.parsing.decoder.OutputDecoder``."""
-
-    stop_reason: FinishReason | None
-
-    def feed(self, token_id: int, logprob: TokenLogprob | None = None) -> list[AnyEvent]: ...
-    def forced_next_token(self) -> int | None: ...
-    def resume(self, token_ids: list[int]) -> None: ...
-    def finish(self, reason: FinishReason) -> list[AnyEvent]: ...
-
-
-DecoderFactory = Callable[[Job, int, int, bool], DecoderLike]
-Emit = Callable[[list[AnyEvent] | BaseException], None]
-
-
-@dataclass(eq=False)
-class SequenceState:
-    """One request's state inside the loop. Mutated only by the loop thread after submission."""
-
-    job: Job
-    prompt: list[int]
-    resume: list[int]
-    attempt: int
-    starts_in_reasoning: bool
-    sampling: SamplingConfig
-    generator: torch.Generator | None
-    max_new: int  # generated tokens allowed, resume tokens included
-    emit: Emit  # thread-safe delivery to the request's queue
-    on_freed: Callable[[], None]  # thread-safe signal that the slot is released
-    tokens: list[int] = field(default_factory=list)  # prompt + resume + generated
-    slot: int = -1
-    kv_len: int = 0  # tokens whose keys/values are in the slot
-    cached: int = 0  # prompt tokens reused from an earlier sequence
-    generated: int = 0
-    decoder: DecoderLike | None = None
-    counts: torch.Tensor | None = None  # (V,) generated-token counts, only when penalised
-    seen: torch.Tensor | None = None  # (V,) bool prompt + generated, for repetition penalty
-    cancelled: bool = False
-    done: bool = False
-    reserved: int = 0  # tokens held against the scheduler's budget while admitted
-    constraint: ConstraintState | None = None  # structured output / forced tool call
-
-    @property
-    def reservation(self) -> int:
-        """The most tokens this sequence can ever have cached (its claim on the budget)."""
-        return len(self.prompt) + max(self.max_new, len(self.resume))
-
 
 Delivery = list[tuple[SequenceState, list[AnyEvent]]]  # event batches to emit, in order
 
@@ -103,7 +47,7 @@ def _emit(out: Delivery) -> None:
 
 
 class Scheduler:
-    """Runs the decode loop in its own thread over a fixed number of KV-cache slots."""
+    """Runs the decode loop in its own thread over a paged KV cache."""
 
     def __init__(
         self,
@@ -115,14 +59,17 @@ class Scheduler:
         device: torch.device,
         dtype: torch.dtype,
         make_decoder: DecoderFactory,
-        max_cached_tokens: int | None = None,
+        num_blocks: int,
+        block_size: int = 16,
+        max_batched_tokens: int = 256,
+        model_id: str = "",
         constrainer: Constrainer | None = None,
     ) -> None:
-        """Allocate the cache; call ``start`` to run the loop.
+        """Allocate the cache (``num_blocks`` of ``block_size`` tokens); call ``start`` to run.
 
-        ``max_cached_tokens`` bounds the sum of the running sequences' reservations
-        (None: ``max_batch`` full contexts, i.e. only the slots limit admission).
-        ``constrainer`` fills the token masks of sequences that carry a ``constraint``.
+        ``max_batch`` caps running sequences, ``max_batched_tokens`` a step's new tokens;
+        ``model_id`` salts the prefix cache's hashes; ``constrainer`` fills the token masks of
+        sequences that carry a ``constraint``.
         """
         self.constrainer = constrainer
         cfg = cast(LlamaConfig, model.config)  # LlamaModel or a test double with its config
@@ -130,31 +77,61 @@ class Scheduler:
         self.device, self.max_batch, self.make_decoder = device, max_batch, make_decoder
         self.context_length = int(cfg.context_length)
         self.vocab = int(cfg.vocab_size)
-        self.max_cached_tokens = max_cached_tokens or max_batch * self.context_length
-        self.reserved = 0  # sum of the admitted sequences' reservations
-        # Called from the loop thread after each decode step with (seconds, sequences).
+        # Called from the loop thread after each step with (seconds, sequences).
         self.on_step: Callable[[float, int], None] | None = None
-        self.cache = KVCache(
+        self.cache = PagedKVCache(
             layers=cfg.num_layers,
-            slots=max_batch,
+            num_blocks=num_blocks,
+            block_size=block_size,
             kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            max_len=self.context_length,
             dtype=getattr(model, "kv_dtype", dtype),  # the kernels keep halves
             device=device,
             zeroed=not getattr(model, "reads_only_written_kv", False),
         )
+        self.planner = Planner(
+            self.cache,
+            max_batch=max_batch,
+            max_batched_tokens=max_batched_tokens,
+            root=root_hash(model_id),
+        )
         self._cond = threading.Condition()
-        self._pending: deque[SequenceState] = deque()
-        self._active: list[SequenceState] = []
-        self._free = list(range(max_batch))
         self._stop = False
         self._thread: threading.Thread | None = None
 
     @property
+    def max_cached_tokens(self) -> int:
+        """The pool's capacity in tokens: no single sequence may need more."""
+        return self.cache.tokens
+
+    @property
+    def max_batched_tokens(self) -> int:
+        """New tokens one step may compute (decode rows first, then prompt chunks)."""
+        return self.planner.max_batched_tokens
+
+    @max_batched_tokens.setter
+    def max_batched_tokens(self, value: int) -> None:
+        self.planner.max_batched_tokens = value
+
+    @property
     def active(self) -> int:
-        """Sequences holding a slot."""
-        return len(self._active)
+        """Sequences admitted (holding blocks, or about to)."""
+        return len(self.planner.active)
+
+    @property
+    def waiting(self) -> int:
+        """Sequences submitted but not running (queued, or preempted until blocks free up)."""
+        return len(self.planner.pending)
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the pool's blocks held by running sequences (0..1)."""
+        return self.cache.pool.used / self.cache.num_blocks
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted so far (each resumes when blocks free up)."""
+        return self.planner.preemptions
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -169,34 +146,39 @@ class Scheduler:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
-        for seq in [*self._pending, *self._active]:
+        for seq in [*self.planner.pending, *self.planner.active]:
             seq.emit(RuntimeError("the engine stopped"))
             self._release(seq)
-        self._pending.clear()
+        self.planner.pending.clear()
 
     def submit(self, seq: SequenceState) -> None:
         """Queue a sequence for admission (thread-safe)."""
-        if seq.reservation > self.max_cached_tokens:  # it would wait forever
+        if seq.capacity > self.max_cached_tokens:  # it would wait forever
             raise ValueError(
-                f"{seq.reservation} tokens exceed the {self.max_cached_tokens}-token budget"
+                f"{seq.capacity} tokens exceed the {self.max_cached_tokens}-token KV cache"
             )
         with self._cond:
             if self._stop or self._thread is None or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running")
-            self._pending.append(seq)
+            self.planner.pending.append(seq)
             self._cond.notify()
 
     def cancel(self, seq: SequenceState) -> None:
         """Ask the loop to free ``seq``; ``seq.on_freed`` fires once it has (thread-safe)."""
         with self._cond:
             seq.cancelled = True
-            if seq in self._pending:  # never admitted: nothing to free in the loop
-                self._pending.remove(seq)
+            if seq in self.planner.pending:  # queued or preempted: it holds no blocks
+                self.planner.pending.remove(seq)
                 seq.done = True
                 seq.on_freed()
             elif self._thread is None or not self._thread.is_alive():
                 self._release(seq)
             self._cond.notify()
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (thread-safe; running sequences keep their blocks)."""
+        with self._cond:
+            self.cache.pool.clear_cache()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -204,134 +186,92 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._stop and not self._pending and not self._active:
+                    while not self._stop and not self.planner.pending and not self.planner.active:
                         self._cond.wait()
                     if self._stop:
                         return
-                    self._admit()
+                    for seq in [s for s in self.planner.active if s.cancelled]:
+                        self._release(seq)
+                    self.planner.admit()
+                    rows = self.planner.plan()
                 try:
-                    self._step()
+                    if rows:
+                        self._step(rows)
+                    elif self.planner.active:  # every one waits on a block another computes
+                        time.sleep(0.001)
                 except Exception as exc:  # thread boundary: fail the batch, keep serving
                     log.exception("decode step failed")
-                    for seq in list(self._active):
-                        seq.emit(exc)
-                        self._release(seq)
-
-    @property
-    def waiting(self) -> int:
-        """Sequences submitted but not yet admitted (no slot, or no room in the budget)."""
-        return len(self._pending)
-
-    def _admit(self) -> None:
-        """Move pending sequences into free slots, preferring the slot with the longest prefix.
-
-        Strictly in arrival order: a large request at the head waits for room rather than being
-        overtaken forever by small ones.
-        """
-        while self._pending and self._free:
-            if self.reserved + self._pending[0].reservation > self.max_cached_tokens:
-                return
-            seq = self._pending.popleft()
-            seq.reserved = seq.reservation
-            self.reserved += seq.reserved
-            seq.tokens = [*seq.prompt, *seq.resume]
-            limit = min(len(seq.tokens) - 1, len(seq.prompt))  # prefill at least one token
-            best = max(
-                self._free, key=lambda s: (common_prefix(self.cache.tokens[s], seq.tokens), -s)
-            )
-            self._free.remove(best)
-            seq.slot = best
-            seq.cached = min(common_prefix(self.cache.tokens[best], seq.tokens), limit)
-            seq.kv_len = seq.cached
-            self.cache.tokens[best] = []
-            self._active.append(seq)
+                    with self._cond:
+                        for seq in list(self.planner.active):
+                            seq.emit(exc)
+                            self._release(seq)
 
     def _release(self, seq: SequenceState) -> None:
-        if seq in self._active:
-            self._active.remove(seq)
-            self.reserved -= seq.reserved
-            seq.reserved = 0
-            self.cache.tokens[seq.slot] = seq.tokens[: seq.kv_len]
-            self._free.append(seq.slot)
-            self._free.sort()
-        if not seq.done:
-            seq.done = True
+        self.planner.release(seq)
+        seq.done = True
         seq.on_freed()
 
-    def _step(self) -> None:
-        for seq in [s for s in self._active if s.cancelled]:
-            self._release(seq)
-        prefilling = [s for s in self._active if s.decoder is None]
-        if prefilling:
-            self._confined(prefilling[0], self._prefill_chunk, prefilling[0])
-        decoding = [s for s in self._active if s.decoder is not None and not s.done]
-        if decoding:
-            self._decode(decoding)
-
-    def _prefill_chunk(self, seq: SequenceState) -> None:
-        end = min(len(seq.tokens), seq.kv_len + PREFILL_CHUNK)
-        chunk = seq.tokens[seq.kv_len : end]
-        self.cache.reserve(end)
-        batch = build_batch([seq.slot], [seq.kv_len], len(chunk), self.device)
-        idx = torch.tensor([chunk], dtype=torch.long, device=self.device)
-        last = end == len(seq.tokens)
-        pending = self._begin_masks([seq]) if last else None  # filled during the forward
-        logits = self.model(idx, batch, self.cache, n_logits=1)  # (1, 1, V)
-        seq.kv_len = end
-        if not last:
-            return
-        seq.decoder = self.make_decoder(
-            seq.job, len(seq.prompt), seq.cached, seq.starts_in_reasoning
-        )
-        # The lost worker's tokens were published: rebuild the decoder's state without
-        # re-emitting anything it would still hold back (no duplicated text on the stream).
-        seq.decoder.resume(seq.resume)
-        for token in seq.resume:
-            self._count(seq, token)
-        seq.generated = len(seq.resume)
-        start = Start(
-            request_id=seq.job.request_id,
-            model=seq.job.model,
-            prompt_tokens=len(seq.prompt),
-            cached_tokens=seq.cached,
-            attempt=seq.attempt,
-        )
-        out: Delivery = []
-        self._advance(seq, self._masked(logits[:, -1], pending)[0], [start], out)
-        _emit(out)
-
-    def _decode(self, seqs: list[SequenceState]) -> None:
+    def _step(self, rows: list[tuple[SequenceState, int]]) -> None:
         began = time.perf_counter()
-        self.cache.reserve(max(s.kv_len for s in seqs) + 1)
-        batch = build_batch([s.slot for s in seqs], [s.kv_len for s in seqs], 1, self.device)
-        idx = torch.tensor(
-            [[s.tokens[s.kv_len]] for s in seqs], dtype=torch.long, device=self.device
-        )
-        pending = self._begin_masks(seqs)  # step N's masks, filled while the model runs step N
-        logits = self.model(idx, batch, self.cache, n_logits=1)[:, -1]  # (B, V)
-        for seq in seqs:
-            seq.kv_len += 1
-        rows = self._masked(logits, pending).cpu()
+        spans = [
+            SeqRows(s.key, s.blocks, s.kv_len, n, int(s.kv_len + n == len(s.tokens)))
+            for s, n in rows
+        ]
+        batch = build_batch(spans, self.cache.block_size, self.device)
+        ids = [t for s, n in rows for t in s.tokens[s.kv_len : s.kv_len + n]]
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        sampled = [s for s, span in zip((r[0] for r in rows), spans, strict=True) if span.logits]
+        pending = self._begin_masks(sampled)  # filled while the model runs
+        logits = self.model(idx, batch, self.cache)  # (len(sampled), V)
+        with self._cond:
+            for seq, n in rows:
+                self.planner.commit(seq, n)
+        rows_out = self._masked(logits, pending).cpu() if sampled else logits
         # The step's batches go out together once every sequence has its token: the event loop
         # then wakes their publishers in one turn, and the worker sends the step as one pipeline
         # (``PublishPipe``) instead of a round trip per sequence.
         out: Delivery = []
         try:
-            for i, seq in enumerate(seqs):
-                self._confined(seq, self._advance, seq, rows[i], [], out)
+            for i, seq in enumerate(sampled):
+                self._confined(seq, self._sample, seq, rows_out[i], out)
         finally:
             _emit(out)
         if self.on_step is not None:
-            self.on_step(time.perf_counter() - began, len(seqs))
+            self.on_step(time.perf_counter() - began, len(rows))
+
+    def _sample(self, seq: SequenceState, logits: torch.Tensor, out: Delivery) -> None:
+        """Choose ``seq``'s next token; the first time its prompt is done, start its decoder."""
+        events: list[AnyEvent] = []
+        if seq.decoder is None:
+            seq.decoder = self.make_decoder(
+                seq.job, len(seq.prompt), seq.cached, seq.starts_in_reasoning
+            )
+            # The lost worker's tokens were published: rebuild the decoder's state without
+            # re-emitting anything it would still hold back (no duplicated text on the stream).
+            seq.decoder.resume(seq.resume)
+            for token in seq.resume:
+                self._count(seq, token)
+            seq.generated = len(seq.resume)
+            events.append(
+                Start(
+                    request_id=seq.job.request_id,
+                    model=seq.job.model,
+                    prompt_tokens=len(seq.prompt),
+                    cached_tokens=seq.cached,
+                    attempt=seq.attempt,
+                )
+            )
+        self._advance(seq, logits, events, out)
 
     def _confined(self, seq: SequenceState, work: Callable[..., None], *args: Any) -> None:
-        """Run one sequence's share of a step; if it raises (a prefill, sampling, detokenizing,
-        parsing), that sequence alone ends with the exception and the batch goes on."""
+        """Run one sequence's share of a step; if it raises (sampling, detokenizing, parsing),
+        that sequence alone ends with the exception and the batch goes on."""
         try:
             work(*args)
         except Exception as exc:
             log.exception("%s: sequence failed", seq.job.request_id)
-            self._release(seq)
+            with self._cond:
+                self._release(seq)
             seq.emit(exc)
 
     # -- token choice -----------------------------------------------------------------------
@@ -392,6 +332,7 @@ class Scheduler:
             reason = "end_turn"  # the grammar allows nothing but the end: spare the EOS step
         if reason is not None:
             events.extend(seq.decoder.finish(reason))
-            self._release(seq)  # before emitting: a caller that saw Finish sees a free slot
+            with self._cond:  # before emitting: a caller that saw Finish sees the blocks free
+                self._release(seq)
         if events:
             out.append((seq, events))

@@ -4,26 +4,30 @@ Owns ``TorchBackend``: ``TorchBackend.load`` turns settings + a model spec into 
 ``generate`` takes the job's prompt ids (the API rendered and tokenized them), resolves the
 sampling config and the seeded generator, submits a ``SequenceState`` to the ``Scheduler``
 thread and relays its event batches from an asyncio queue. Closing the iterator early cancels:
-the slot is freed before ``aclose`` returns. Knows nothing about Redis.
+its blocks are freed before ``aclose`` returns. Knows nothing about Redis.
 
-It also sizes the cached-token budget (``Settings.max_cached_tokens``; 0 derives it from
-``KV_BUDGET_BYTES`` and the model's bytes of keys and values per token) and rejects, with
-``ContextOverflow``, a request whose prompt plus ``max_tokens`` could never fit in it. A request
-without ``max_tokens`` may generate up to the context or the budget, whichever is smaller.
+It also sizes the paged KV cache (``SLUICE_KV_CACHE_BYTES``, or ``SLUICE_MAX_CACHED_TOKENS``
+tokens; by default a share of the machine's memory or of the GPU's free memory) and rejects,
+with ``ContextOverflow``, a request whose prompt plus ``max_tokens`` could never fit in it (it
+could never finish, even alone). A request without ``max_tokens`` may generate up to the context
+or the pool, whichever is smaller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 
 import torch
 
 from services.worker.constrain import Constrainer
+from services.worker.kv_cache import PagedKVCache
 from services.worker.loaders import LoadedModel, load_model
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.sampling import SamplingConfig
-from services.worker.scheduler import DecoderFactory, DecoderLike, Scheduler, SequenceState
+from services.worker.scheduler import Scheduler
+from services.worker.sequence import DecoderFactory, DecoderLike, SequenceState
 from shared.config import Settings
 from shared.errors import ContextOverflow, InvalidRequest
 from shared.events import AnyEvent, is_terminal, join_deltas
@@ -31,26 +35,33 @@ from shared.jobs import Job
 from shared.model_card import ModelCard
 from shared.prompt import starts_in_reasoning
 
-__all__ = [
-    "KV_BUDGET_BYTES",
-    "TorchBackend",
-    "derive_max_cached_tokens",
-    "sampling_config",
-]
+__all__ = ["TorchBackend", "default_kv_bytes", "pool_blocks", "sampling_config"]
 
-KV_BUDGET_BYTES = 2 * 1024**3  # default memory for cached keys and values, per worker
+CPU_KV_SHARE, CPU_KV_CAP = 0.15, 8 * 1024**3  # of physical memory, at most 8 GiB
+GPU_KV_SHARE = 0.85  # of the device memory free once the model is loaded
 
 
-def derive_max_cached_tokens(
-    *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, context: int, slots: int
+def default_kv_bytes(device: torch.device) -> int:
+    """The KV pool's default size (``SLUICE_KV_CACHE_BYTES`` = 0): on a GPU most of what the
+    weights left free; on the CPU a share of the machine's memory. The pool is reserved, not
+    touched: a CPU worker's resident memory grows only with the blocks it fills."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * GPU_KV_SHARE)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 16 * 1024**3
+    return min(int(total * CPU_KV_SHARE), CPU_KV_CAP)
+
+
+def pool_blocks(
+    *, kv_bytes: int, tokens: int, per_token: int, block_size: int, context: int
 ) -> int:
-    """The default budget: what ``KV_BUDGET_BYTES`` holds, within [one context, all slots full].
-
-    One token costs ``layers x 2 (keys, values) x kv_heads x head_dim x element size`` bytes
-    (46 080 for SmolLM2-135M in fp32, so the budget is 46 603 tokens: five full 8k contexts).
-    """
-    per_token = layers * 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-    return max(context, min(slots * context, KV_BUDGET_BYTES // per_token))
+    """Blocks in the pool: ``tokens`` (``SLUICE_MAX_CACHED_TOKENS``) when set, else what
+    ``kv_bytes`` holds at ``per_token`` bytes a token but at least one full context."""
+    want = tokens or max(kv_bytes // per_token, context)
+    return -(-want // block_size)
 
 
 def sampling_config(job: Job, card: ModelCard) -> SamplingConfig:
@@ -77,45 +88,60 @@ class TorchBackend:
         self,
         loaded: LoadedModel,
         *,
-        max_batch: int,
+        max_batch: int = 0,
         make_decoder: DecoderFactory | None = None,
         max_cached_tokens: int = 0,
+        kv_cache_bytes: int = 0,
+        block_size: int = 16,
+        max_batched_tokens: int = 0,
         stream_interval_s: float = 0.0,
     ) -> None:
         """Wrap a loaded model; ``make_decoder`` defaults to the real ``OutputDecoder``.
 
-        ``max_cached_tokens`` bounds the tokens running sequences may hold (0: derived);
-        ``stream_interval_s`` is the least time between two batches of one request that
-        ``generate`` yields (steps in between are joined; 0: each as soon as it is taken).
+        ``max_batch`` caps running sequences (0: 64 on the CPU, 256 on a GPU); the KV pool
+        holds ``max_cached_tokens`` tokens when set, else ``kv_cache_bytes`` (0: derived,
+        ``default_kv_bytes``) in blocks of ``block_size``; ``max_batched_tokens`` bounds the
+        new tokens of one step (0: 256 on the CPU, 2048 on a GPU); ``stream_interval_s`` is
+        the least time between two batches of one request that ``generate`` yields (steps in
+        between are joined; 0: each as soon as it is taken).
         """
         self.loaded = loaded
         self.stream_interval_s = stream_interval_s
         self.card: ModelCard = loaded.card
-        self.max_batch = max_batch
+        gpu = loaded.device.type == "cuda"
+        self.max_batch = max_batch or (256 if gpu else 64)
         cfg = loaded.model.config
-        budget = max_cached_tokens or derive_max_cached_tokens(
-            layers=int(cfg.num_layers),
-            kv_heads=int(cfg.num_kv_heads),
-            head_dim=int(cfg.head_dim),
-            dtype=getattr(loaded.model, "kv_dtype", loaded.dtype),
+        per_token = PagedKVCache.bytes_per_token(
+            int(cfg.num_layers),
+            int(cfg.num_kv_heads),
+            int(cfg.head_dim),
+            getattr(loaded.model, "kv_dtype", loaded.dtype),
+        )
+        blocks = pool_blocks(
+            kv_bytes=kv_cache_bytes or default_kv_bytes(loaded.device),
+            tokens=max_cached_tokens,
+            per_token=per_token,
+            block_size=block_size,
             context=int(cfg.context_length),
-            slots=max_batch,
         )
         self.constrainer = Constrainer(
             loaded.card.tokenizer_json,
             vocab=int(cfg.vocab_size),
             eos_ids=list(loaded.card.eos_token_ids),
-            max_batch=max_batch,
+            max_batch=self.max_batch,
         )
         self.scheduler = Scheduler(
             loaded.model,
             loaded.tokenizer,
             eos_ids=list(loaded.card.eos_token_ids),
-            max_batch=max_batch,
+            max_batch=self.max_batch,
             device=loaded.device,
             dtype=loaded.dtype,
             make_decoder=make_decoder or self._output_decoder,
-            max_cached_tokens=budget,
+            num_blocks=blocks,
+            block_size=block_size,
+            max_batched_tokens=max_batched_tokens or (2048 if gpu else 256),
+            model_id=loaded.card.name,
             constrainer=self.constrainer,
         )
 
@@ -170,7 +196,7 @@ class TorchBackend:
         if len(prompt) + len(resume) >= budget:
             raise ContextOverflow(
                 f"prompt of {len(prompt)} tokens leaves no room in this worker's "
-                f"{budget}-token cache budget"
+                f"{budget}-token KV cache"
             )
         room = min(ctx, budget) - len(prompt)
         max_new = job.max_tokens if job.max_tokens is not None else room
@@ -179,7 +205,7 @@ class TorchBackend:
         if min(max_new, ctx - len(prompt)) > room:  # past the context is cut off, never cached
             raise ContextOverflow(
                 f"prompt of {len(prompt)} tokens plus max_tokens={max_new} can never fit in "
-                f"this worker's {budget}-token cache budget"
+                f"this worker's {budget}-token KV cache"
             )
         max_new = min(max_new, ctx - len(prompt))
         seq = SequenceState(
@@ -297,6 +323,9 @@ class TorchBackend:
             loaded,
             max_batch=settings.max_batch,
             max_cached_tokens=settings.max_cached_tokens,
+            kv_cache_bytes=settings.kv_cache_bytes,
+            block_size=settings.kv_block_size,
+            max_batched_tokens=settings.max_batched_tokens,
             stream_interval_s=settings.stream_interval_s,
         )
 

@@ -70,7 +70,7 @@ async def test_cuda_fp32_batched_equals_single(tmp_path: Path) -> None:
             for i in range(6)
         ]
         alone = [generated_token_ids(await run(b, j)) for j in jobs]
-        b.scheduler.cache.tokens = [[] for _ in range(b.max_batch)]
+        b.scheduler.clear_prefix_cache()
         together = await asyncio.gather(*(run(b, j) for j in jobs))
         assert [generated_token_ids(e) for e in together] == alone
     finally:

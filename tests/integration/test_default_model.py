@@ -115,7 +115,7 @@ async def test_batched_greedy_equals_single_stream(backend: TorchBackend) -> Non
     ]
     jobs = [ask(p, f"r{i}", max_tokens=24, ignore_eos=True) for i, p in enumerate(prompts)]
     alone = [generated_token_ids(await run(backend, j)) for j in jobs]
-    backend.scheduler.cache.tokens = [[] for _ in range(backend.max_batch)]
+    backend.scheduler.clear_prefix_cache()
     together = await asyncio.gather(*(run(backend, j) for j in jobs))
     assert [generated_token_ids(e) for e in together] == alone
 

@@ -83,11 +83,11 @@ async def test_failover_continues_exactly_where_the_killed_worker_stopped(
                 break
         rid = chunk.id
         await a.kill()
-        loaded.scheduler.cache.tokens = [[] for _ in range(loaded.max_batch)]
+        loaded.scheduler.clear_prefix_cache()
         b = await start_worker(settings, loaded)
         try:
             tail = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-            loaded.scheduler.cache.tokens = [[] for _ in range(loaded.max_batch)]
+            loaded.scheduler.clear_prefix_cache()
             whole = await client.chat.completions.create(**ask)  # type: ignore[call-overload]
         finally:
             await b.stop(0.5)

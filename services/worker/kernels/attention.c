@@ -1,9 +1,11 @@
-/* Attention over the slot KV cache (layouts: sluice_cpu.h), for decode (one new token per row)
- * and prefill (T new tokens per row) alike: both run this one body, so a token's key, value and
- * attention output are the same bits whichever path computed it (a prompt token prefilled, a
- * generated token decoded, a prefix reused from the cache or recomputed, the chunk size). That
+/* Attention over the paged KV cache (layouts: sluice_cpu.h), for decode (one new token of a
+ * sequence) and prefill (a chunk of a sequence's tokens) alike, any mix of both in one call: all
+ * run this one body, so a token's key, value and attention output are the same bits whichever
+ * path computed it (a prompt token prefilled, a generated token decoded, a prefix reused from
+ * the cache or recomputed, the chunk size, the blocks the cache gave it and their size). That
  * holds because every query attends with the same routine over exactly the keys 0..pos, in the
- * same order, and nothing in a row's arithmetic depends on the batch, T or the thread count. */
+ * same order, and nothing in a row's arithmetic depends on the other rows, where its keys are
+ * or the thread count. */
 #include "sl_impl.h"
 
 #ifdef _OPENMP
@@ -67,31 +69,65 @@ static void norm_rope(float *v, int64_t hd, const float *norm, float eps, const 
     }
 }
 
-/* One query head over S cached keys/values: o = softmax(q.K / sqrt(hd)) V. p: S floats. */
-static void attend(const float *q, const uint16_t *keys, const uint16_t *vals, int64_t S,
-                   int64_t hd, float scale, float *p, float *o) {
-    int64_t t = 0;
+/* One kv head of one sequence in a layer's paged cache: the block ids in the sequence's table,
+ * the halves per block (all kv heads), where this head's keys sit in a block, the block size. */
+typedef struct {
+    const int32_t *table;
+    int64_t block_stride, head, size;
+} pages;
+
+/* the first key (value) of block b of the sequence: size keys of hd halves follow, contiguous */
+static inline const uint16_t *block_at(const uint16_t *cache, const pages *pg, int64_t b) {
+    return cache + pg->table[b] * pg->block_stride + pg->head;
+}
+
+/* keys (values) of block b among the first S */
+static inline int64_t block_len(const pages *pg, int64_t b, int64_t S) {
+    const int64_t left = S - b * pg->size;
+    return left < pg->size ? left : pg->size;
+}
+
+/* One query head over the S keys/values at positions 0..S-1 of a sequence, read in place through
+ * its block table: o = softmax(q.K / sqrt(hd)) V. p: S floats.
+ *
+ * Every value is the same bits as if the S keys and values lay contiguously (the one-slot cache
+ * this replaced), so a token's output does not depend on the blocks it got or their size. The
+ * scores: the groups of four keys start at multiples of four and the scalar tail (fewer than
+ * four) comes last, as over a contiguous run, provided no group straddles blocks: a block size
+ * that is a multiple of four (the ABI asks for eight) makes every block but the last whole
+ * groups. Another size still reads only its own blocks, just grouped (and rounded) differently.
+ * The softmax runs over p as before. The values: each output chunk sums its S products in
+ * position order, block after block, the order of the contiguous loop. */
+static void attend(const float *q, const uint16_t *kc, const uint16_t *vc, const pages *pg,
+                   int64_t S, int64_t hd, float scale, float *p, float *o) {
+    const int64_t blocks = (S + pg->size - 1) / pg->size;
     float mx = -INFINITY, sum = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *keys = block_at(kc, pg, b);
+        const int64_t n = block_len(pg, b, S);
+        float *pb = p + b * pg->size;
+        int64_t t = 0;
 #if SL_AVX2
-    if (hd % 8 == 0) {
-        /* four keys at a time: four independent FMA chains and one combined horizontal sum */
-        for (; t + 4 <= S; t += 4) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            const uint16_t *k0 = keys + t * hd;
-            for (int64_t d = 0; d < hd; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + d);
-                a0 = _mm256_fmadd_ps(qv, load_half8(k0 + d), a0);
-                a1 = _mm256_fmadd_ps(qv, load_half8(k0 + hd + d), a1);
-                a2 = _mm256_fmadd_ps(qv, load_half8(k0 + 2 * hd + d), a2);
-                a3 = _mm256_fmadd_ps(qv, load_half8(k0 + 3 * hd + d), a3);
+        if (hd % 8 == 0) {
+            /* four keys at a time: four independent FMA chains and one combined horizontal sum */
+            for (; t + 4 <= n; t += 4) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                const uint16_t *k0 = keys + t * hd;
+                for (int64_t d = 0; d < hd; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(q + d);
+                    a0 = _mm256_fmadd_ps(qv, load_half8(k0 + d), a0);
+                    a1 = _mm256_fmadd_ps(qv, load_half8(k0 + hd + d), a1);
+                    a2 = _mm256_fmadd_ps(qv, load_half8(k0 + 2 * hd + d), a2);
+                    a3 = _mm256_fmadd_ps(qv, load_half8(k0 + 3 * hd + d), a3);
+                }
+                _mm_storeu_ps(pb + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
             }
-            _mm_storeu_ps(p + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
         }
-    }
 #endif
-    for (; t < S; t++) p[t] = dot_half(q, keys + t * hd, hd) * scale;
-    for (t = 0; t < S; t++) mx = p[t] > mx ? p[t] : mx;
-    t = 0;
+        for (; t < n; t++) pb[t] = dot_half(q, keys + t * hd, hd) * scale;
+    }
+    for (int64_t i = 0; i < S; i++) mx = p[i] > mx ? p[i] : mx;
+    int64_t t = 0;
 #if SL_AVX2
     __m256 vsum = _mm256_setzero_ps();
     for (; t + 8 <= S; t += 8) {
@@ -112,41 +148,56 @@ static void attend(const float *q, const uint16_t *keys, const uint16_t *vals, i
     for (; d0 + 64 <= hd; d0 += 64) {
         __m256 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (t = 0; t < S; t++) {
-            const __m256 w = _mm256_set1_ps(p[t] * inv);
-            const uint16_t *v = vals + t * hd + d0;
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, load_half8(v + 8 * j), acc[j]);
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint16_t *v = block_at(vc, pg, b) + d0;
+            const float *pb = p + b * pg->size;
+            const int64_t n = block_len(pg, b, S);
+            for (int64_t i = 0; i < n; i++, v += hd) {
+                const __m256 w = _mm256_set1_ps(pb[i] * inv);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(w, load_half8(v + 8 * j), acc[j]);
+            }
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
     }
 #endif
     if (d0 < hd) {
         memset(o + d0, 0, (size_t)(hd - d0) * sizeof(float));
-        for (t = 0; t < S; t++) axpy_half(p[t] * inv, vals + t * hd + d0, o + d0, hd - d0);
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint16_t *v = block_at(vc, pg, b) + d0;
+            const float *pb = p + b * pg->size;
+            const int64_t n = block_len(pg, b, S);
+            for (int64_t i = 0; i < n; i++) axpy_half(pb[i] * inv, v + i * hd, o + d0, hd - d0);
+        }
     }
 }
 
-/* qkv: [B * T, (H + 2 KV) * hd] straight from the fused projection (rotated in place): row
- * b * T + t is the token at position starts[b] + t of cache slot slots[b]. Every token's key and
- * value are written there first, then each query attends to positions 0..its own (causal).
- * out: [B * T, H * hd]. scores: span floats per thread, span > the largest position. */
-void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
-                    const float *cos_table, const float *sin_table, const int64_t *starts,
-                    const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t capacity,
-                    const float *q_norm, const float *k_norm, float eps, float *out, float *scores,
-                    int64_t span) {
-    const int64_t width = (H + 2 * KV) * hd, G = H / KV, tasks = B * T * KV;
-    const int64_t head_stride = capacity * hd, slot_stride = KV * head_stride;
+/* qkv: [n, (H + 2 KV) * hd] straight from the fused projection (rotated in place): row r is the
+ * token at position pos[r] of sequence seq[r], whose block table is tables + seq[r] *
+ * table_stride; its key and value go to offset pos % block_size of block table[pos / block_size]
+ * (layout: sluice_cpu.h). Every row's key and value are written first, then each query attends
+ * to positions 0..its own of its own sequence (causal): rows of one sequence in one call (a
+ * prefill chunk) see each other's keys. No two rows may write the same place: a block shared
+ * between sequences (a common prefix) is only read. out: [n, H * hd]. scores: span floats per
+ * thread, span > the largest position. */
+void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                    const float *cos_table, const float *sin_table, const int64_t *pos,
+                    const int64_t *seq, const int32_t *tables, int64_t table_stride,
+                    int64_t block_size, uint16_t *kc, uint16_t *vc, const float *q_norm,
+                    const float *k_norm, float eps, float *out, float *scores, int64_t span) {
+    const int64_t width = (H + 2 * KV) * hd, G = H / KV, tasks = n * KV;
+    const int64_t run = block_size * hd, block_stride = KV * run;
     const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t r = task / KV, k = task % KV, b = r / T, pos = starts[b] + r % T;
+        const int64_t r = task / KV, k = task % KV, at_pos = pos[r];
         float *row = qkv + r * width;
-        const float *c = cos_table + pos * hd, *s = sin_table + pos * hd;
+        const float *c = cos_table + at_pos * hd, *s = sin_table + at_pos * hd;
         for (int64_t g = 0; g < G; g++) norm_rope(row + (k * G + g) * hd, hd, q_norm, eps, c, s);
         float *key = row + (H + k) * hd, *val = row + (H + KV + k) * hd;
         norm_rope(key, hd, k_norm, eps, c, s);
-        const int64_t at = slots[b] * slot_stride + k * head_stride + pos * hd;
+        const int64_t block = tables[seq[r] * table_stride + at_pos / block_size];
+        const int64_t at = block * block_stride + k * run + (at_pos % block_size) * hd;
         store_halves(kc + at, key, hd);
         store_halves(vc + at, val, hd);
     }
@@ -156,12 +207,11 @@ void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, flo
         /* a kv head's query heads together: its keys and values come from memory once */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t r = task / KV, k = task % KV, b = r / T, pos = starts[b] + r % T;
-            const uint16_t *keys = kc + slots[b] * slot_stride + k * head_stride;
-            const uint16_t *vals = vc + slots[b] * slot_stride + k * head_stride;
+            const int64_t r = task / KV, k = task % KV;
+            const pages pg = {tables + seq[r] * table_stride, block_stride, k * run, block_size};
             for (int64_t g = 0; g < G; g++) {
                 const int64_t h = k * G + g;
-                attend(qkv + r * width + h * hd, keys, vals, pos + 1, hd, scale, p,
+                attend(qkv + r * width + h * hd, kc, vc, &pg, pos[r] + 1, hd, scale, p,
                        out + r * H * hd + h * hd);
             }
         }
@@ -170,21 +220,22 @@ void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, flo
          * idle a third of the time): a query head each, in runs of neighbours, so a kv head's
          * query heads mostly share a thread. The same attend per head: the same bits. */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < B * T * H; task++) {
-            const int64_t r = task / H, h = task % H, b = r / T, pos = starts[b] + r % T;
-            const int64_t at = slots[b] * slot_stride + (h / G) * head_stride;
-            attend(qkv + r * width + h * hd, kc + at, vc + at, pos + 1, hd, scale, p,
+        for (int64_t task = 0; task < n * H; task++) {
+            const int64_t r = task / H, h = task % H;
+            const pages pg = {tables + seq[r] * table_stride, block_stride, (h / G) * run,
+                              block_size};
+            attend(qkv + r * width + h * hd, kc, vc, &pg, pos[r] + 1, hd, scale, p,
                    out + r * H * hd + h * hd);
         }
     }
 }
 
-void sl_attention(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
-                  const float *cos_table, const float *sin_table, const int64_t *starts,
-                  const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t capacity,
-                  const float *q_norm, const float *k_norm, float eps, float *out, float *scores,
-                  int64_t span, int nthreads) {
+void sl_attention(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv, const float *cos_table,
+                  const float *sin_table, const int64_t *pos, const int64_t *seq,
+                  const int32_t *tables, int64_t table_stride, int64_t block_size, uint16_t *kc,
+                  uint16_t *vc, const float *q_norm, const float *k_norm, float eps, float *out,
+                  float *scores, int64_t span, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
-    attention_body(B, T, H, KV, hd, qkv, cos_table, sin_table, starts, slots, kc, vc, capacity,
-                   q_norm, k_norm, eps, out, scores, span);
+    attention_body(n, H, KV, hd, qkv, cos_table, sin_table, pos, seq, tables, table_stride,
+                   block_size, kc, vc, q_norm, k_norm, eps, out, scores, span);
 }

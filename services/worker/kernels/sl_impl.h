@@ -231,11 +231,12 @@ SL_INTERNAL int gemm_on_amx(int kind, int64_t M, int64_t N, int64_t K, const int
 #else
 #define gemm_on_amx(...) 0
 #endif
-/* attention over the slot KV cache, decode and prefill (attention.c documents the arguments) */
-SL_INTERNAL void attention_body(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
-                                const float *cos_table, const float *sin_table,
-                                const int64_t *starts, const int64_t *slots, uint16_t *kc,
-                                uint16_t *vc, int64_t capacity, const float *q_norm,
+/* attention over the paged KV cache, decode and prefill rows alike (attention.c documents the
+ * arguments) */
+SL_INTERNAL void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
+                                const float *cos_table, const float *sin_table, const int64_t *pos,
+                                const int64_t *seq, const int32_t *tables, int64_t table_stride,
+                                int64_t block_size, uint16_t *kc, uint16_t *vc, const float *q_norm,
                                 const float *k_norm, float eps, float *out, float *scores,
                                 int64_t span);
 /* y (+)= x W^T (+ bias) for any format: the GEMM its type names */

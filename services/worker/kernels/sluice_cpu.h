@@ -20,9 +20,19 @@
  *                their fifth bits: wq uint8 [N/8, nb, 160], wd and wm float [N/8, nb, 8]; the
  *                5-bit types' layout wherever N % 8 == 0 (matmul.c documents the bytes); wm
  *                NULL: Q5_0's minimums, -16 wd, implied as Q4_0's -8 wd are
- *   KV cache     one layer: [slots, kv_heads, capacity, head_dim] IEEE halves (uint16), as
- *                llama.cpp keeps it: one stream's decode reads every cached key and value once
- *                a token, at a few hundred tokens a tenth of the bytes the weights take
+ *   KV cache     one layer: [num_blocks, kv_heads, block_size, head_dim] IEEE halves (uint16),
+ *                paged: a sequence's block table (int32 block ids) lists its blocks in position
+ *                order, so its key and value at position p live in block table[p / block_size]
+ *                at offset p % block_size; one kv head's keys in a block are contiguous. Halves,
+ *                as llama.cpp keeps them: one stream's decode reads every cached key and value
+ *                once a token, at a few hundred tokens a tenth of the bytes the weights take.
+ *                Blocks let sequences of any length share one pool and share a common prefix
+ *                (two tables naming the same blocks). block_size is a multiple of 8: attention
+ *                then reads keys in the same groups as over a contiguous run, the same bits
+ *                whatever the blocks (attention.c)
+ *   token rows   a forward's n rows are ragged: row r is the token at position pos[r] of
+ *                sequence seq[r], whose table is tables + seq[r] * table_stride; a decode row
+ *                and a prefill chunk's rows sit side by side in one call
  *
  * Threads: every entry point takes nthreads and uses OpenMP, the same libgomp torch loaded, so
  * the two share one thread pool instead of fighting over the cores.
@@ -139,9 +149,9 @@ typedef struct {
     sl_linear head;
 } sl_model;
 
-/* Per-step buffers, sized for B * T rows by the caller. */
+/* Per-step buffers, sized for a forward's n token rows by the caller. */
 typedef struct {
-    int8_t *xq; /* B x max(hidden, inner, heads * head_dim) */
+    int8_t *xq; /* n x max(hidden, inner, heads * head_dim) */
     float *xd, *xs, *tmp;
     float *qkv, *attended, *gate_up, *scores; /* scores: span per thread */
 } sl_scratch;
@@ -177,17 +187,20 @@ void sl_gemm_q8_0(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float
 void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                        const float *xs, float *y, int accumulate, int nthreads);
 
-/* Attention over the slot KV cache for B rows of T new tokens each (attention.c documents the
- * arguments), and a whole forward step, decode (T = 1) or prefill (forward.c). One code path for
- * both: a token's logits do not depend on the path, the batch or the chunk that computed it. */
-void sl_attention(int64_t B, int64_t T, int64_t H, int64_t KV, int64_t hd, float *qkv,
-                  const float *cos_table, const float *sin_table, const int64_t *starts,
-                  const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t capacity,
-                  const float *q_norm, const float *k_norm, float eps, float *out, float *scores,
-                  int64_t span, int nthreads);
-void sl_forward(const sl_model *m, int64_t B, int64_t T, float *x, const int64_t *starts,
-                const int64_t *slots, uint16_t *kc, uint16_t *vc, int64_t cache_slots,
-                int64_t capacity, int64_t span, const sl_scratch *w, float *logits,
-                int64_t n_logits, int nthreads);
+/* Attention over one layer of the paged KV cache for n ragged token rows (layouts above; the
+ * arguments: attention.c), and a whole forward step over them (forward.c). span: scores floats
+ * per thread, more than the largest position. sl_forward's kc and vc point at layer 0, layer i
+ * i * num_blocks * kv_heads * block_size * head_dim halves on; its logits are [n_logits, vocab],
+ * row j for token row logit_rows[j] (ascending). One code path for decode and prefill: a token's
+ * logits do not depend on the path, the batch, the chunk or the blocks that computed it. */
+void sl_attention(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv, const float *cos_table,
+                  const float *sin_table, const int64_t *pos, const int64_t *seq,
+                  const int32_t *tables, int64_t table_stride, int64_t block_size, uint16_t *kc,
+                  uint16_t *vc, const float *q_norm, const float *k_norm, float eps, float *out,
+                  float *scores, int64_t span, int nthreads);
+void sl_forward(const sl_model *m, int64_t n, float *x, const int64_t *pos, const int64_t *seq,
+                const int32_t *tables, int64_t table_stride, int64_t block_size, uint16_t *kc,
+                uint16_t *vc, int64_t num_blocks, int64_t span, const sl_scratch *w, float *logits,
+                const int64_t *logit_rows, int64_t n_logits, int nthreads);
 
 #endif

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from services.worker.kernels import QK, Activations, Kernels, Layer, Linear, Model, Scratch
-from services.worker.kv_cache import AttentionBatch, KVCache
+from services.worker.kv_cache import AttentionBatch, PagedKVCache
 from services.worker.models.blocks import (
     FOUR_BIT_TYPES,
     H16,
@@ -248,7 +248,7 @@ class QuantizedLlama(nn.Module):
     """``LlamaModel``'s forward with decode steps on the CPU kernels (same signature)."""
 
     # attention.c reads keys and values 0..pos of each row, all written by this sequence or the
-    # prefix it reused: the cache need not be zero-filled (KVCache ``zeroed``)
+    # prefix it shares: a block need not be zero-filled (PagedKVCache ``zeroed``)
     reads_only_written_kv = True
     # attention.c keeps keys and values as IEEE halves, as llama.cpp's default cache does: one
     # stream's decode reads the whole cache every token, and at a few hundred tokens fp32 keys
@@ -296,27 +296,28 @@ class QuantizedLlama(nn.Module):
         self.act_width = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
 
     def forward(
-        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
+        self, idx: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache
     ) -> torch.Tensor:
-        """Logits (B, n_logits, V) fp32 of the last ``n_logits`` positions of each row: decode
-        (T = 1) and prefill (T > 1) in one call to the kernels, through the same code, so a
-        token's logits do not depend on which of the two computed it (see ``sl_forward``)."""
-        B, T = idx.shape
+        """Logits (m, V) fp32 of the batch's ``logit_rows`` for token rows ``idx`` (n,): decode
+        rows and prompt chunks of any sequences in one call to the kernels, through the same
+        code, so a token's logits do not depend on which forward computed it (``sl_forward``)."""
         if cache.k.dtype != self.kv_dtype:  # the C side would read fp32 as pairs of halves
             raise TypeError(f"the kernels' KV cache holds {self.kv_dtype}, not {cache.k.dtype}")
-        rows, span = B * T, int(batch.span)
-        x = self.embed(idx.reshape(rows))  # (rows, C) residual stream
-        logits = torch.empty(B * n_logits, self.head.out_features)
-        starts = batch.start_index.contiguous()  # (B,) position of each row's first new token
-        slots = batch.slot_index.contiguous()
-        threads = self.kernels.forward_threads(T)
-        scratch, _buffers = self._scratch(rows, span, threads)  # they live until the call returns
+        n = idx.shape[0]
+        x = self.embed(idx)  # (n, C) residual stream
+        wanted = batch.logit_rows.contiguous()
+        logits = torch.empty(wanted.numel(), self.head.out_features)
+        positions, seqs = batch.positions.contiguous(), batch.seq_index.contiguous()
+        tables = batch.tables.contiguous()
+        threads = self.kernels.forward_threads(max(s.count for s in batch.seqs))
+        scratch, _buffers = self._scratch(n, batch.span, threads)  # alive until the call returns
         self.kernels.lib.sl_forward(
-            ctypes.byref(self.struct), B, T, x.data_ptr(), starts.data_ptr(), slots.data_ptr(),
-            cache.k.data_ptr(), cache.v.data_ptr(), cache.slots, cache.capacity, span,
-            ctypes.byref(scratch), logits.data_ptr(), n_logits, threads,
+            ctypes.byref(self.struct), n, x.data_ptr(), positions.data_ptr(), seqs.data_ptr(),
+            tables.data_ptr(), tables.shape[1], cache.block_size, cache.k.data_ptr(),
+            cache.v.data_ptr(), cache.num_blocks, batch.span, ctypes.byref(scratch),
+            logits.data_ptr(), wanted.data_ptr(), wanted.numel(), threads,
         )  # fmt: skip
-        return logits.view(B, n_logits, -1)
+        return logits
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(n,) token ids -> (n, C) fp32 embeddings, contiguous."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.kv_cache import AttentionBatch, KVCache
+from services.worker.kv_cache import AttentionBatch, PagedKVCache
 
 __all__ = [
     "MLP",
@@ -130,10 +130,11 @@ def grouped_decode_attention(
 ) -> torch.Tensor:
     """One-token attention with GQA done by grouping queries, not by repeating K/V.
 
+    q (B, H, 1, hd), keys and values (B, KV, S, hd), mask (B, S) True where a key may be read.
     SDPA with both a ragged mask and ``enable_gqa`` falls back to its slow math path (about
     1 ms per layer on CUDA); four matmul-sized ops do the same work.
     """
-    B, H, _, hd = q.shape  # (B, H, 1, hd)
+    B, H, _, hd = q.shape
     KV, S = keys.shape[1], keys.shape[2]
     qg = q.view(B, KV, H // KV, hd)  # (B, KV, G, hd)
     att = (qg @ keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, KV, G, S)
@@ -143,7 +144,7 @@ def grouped_decode_attention(
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that reads and writes the engine's slot KV cache."""
+    """Grouped-query self-attention that reads and writes the engine's paged KV cache."""
 
     def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -163,7 +164,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        cache: KVCache,
+        cache: PagedKVCache,
     ) -> torch.Tensor:
         return self.o_proj(self.attend(self.qkv(x), cos, sin, batch, cache))
 
@@ -173,40 +174,52 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        cache: KVCache,
+        cache: PagedKVCache,
     ) -> torch.Tensor:
-        """Projected (B, T, (H + 2 KV) * hd) -> attention output (B, T, H * hd), before o_proj.
+        """Projected (n, (H + 2 KV) * hd) token rows -> attention output (n, H * hd).
 
-        Split out so the CPU kernels' prefill (``models.kernel_llama``) reuses it around its own
-        projections.
+        Sequences decoding one token attend together (one gather, one masked batch); a
+        sequence with several new rows (a prompt chunk) attends on its own, causally.
         """
-        B, T, _ = qkv.shape
+        n = qkv.shape[0]
         q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
-        q = q.view(B, T, self.n_head, self.hd)  # (B, T, H, hd)
-        k = k.view(B, T, self.n_kv, self.hd)  # (B, T, KV, hd)
-        q, k = self.norm_qk(q, k)
-        q = q.transpose(1, 2)  # (B, H, T, hd)
-        k = k.transpose(1, 2)  # (B, KV, T, hd)
-        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, KV, T, hd)
-        q = q * cos + rotate_half(q) * sin
+        q, k = self.norm_qk(q.view(n, self.n_head, self.hd), k.view(n, self.n_kv, self.hd))
+        v = v.view(n, self.n_kv, self.hd)
+        q = q * cos + rotate_half(q) * sin  # cos, sin (n, 1, hd)
         k = k * cos + rotate_half(k) * sin
         cache.write(self.layer, k, v, batch)
-        keys, values = cache.read(self.layer, batch)  # (B, KV, S, hd) each
-        # a cache narrower than the compute (the CPU kernels' halves, when a test runs this
-        # model on their cache's precision) is widened here; the same dtype is not copied
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if batch.t == 1:
-            y = grouped_decode_attention(q, keys, values, batch.mask)  # (B, H, 1, hd)
-        else:
-            y = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=None if batch.causal else batch.mask,
-                is_causal=batch.causal,
+        y = torch.empty_like(q)  # (n, H, hd)
+        single = [i for i, s in enumerate(batch.seqs) if s.count == 1]
+        if single:
+            rows = batch.logit_rows.new_tensor([batch.firsts[i] for i in single])
+            span = max(batch.seqs[i].start + 1 for i in single)
+            keys, values = cache.read(self.layer, batch.tables[single], span)  # (b, KV, S, hd)
+            seen = torch.arange(span, device=q.device)[None, :] <= batch.positions[rows, None]
+            out = grouped_decode_attention(
+                q[rows].unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), seen
+            )  # (b, H, 1, hd)
+            y[rows] = out[:, :, 0]
+        for i, s in enumerate(batch.seqs):
+            if s.count == 1:
+                continue
+            first, span = batch.firsts[i], s.start + s.count
+            keys, values = cache.read(self.layer, batch.tables[i : i + 1], span)  # (1, KV, S, hd)
+            qi = q[first : first + s.count].transpose(0, 1).unsqueeze(0)  # (1, H, T, hd)
+            causal = s.start == 0  # nothing cached before: SDPA's fused causal kernels
+            mask: torch.Tensor | None = None
+            if not causal:
+                keys_at = torch.arange(span, device=q.device)
+                mask = keys_at[None, :] <= batch.positions[first : first + s.count, None]
+            out = F.scaled_dot_product_attention(
+                qi,
+                keys.to(q.dtype),
+                values.to(q.dtype),
+                attn_mask=mask,
+                is_causal=causal,
                 enable_gqa=self.n_kv != self.n_head,
-            )  # (B, H, T, hd)
-        return y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)  # (B, T, H * hd)
+            )  # (1, H, T, hd)
+            y[first : first + s.count] = out[0].transpose(0, 1)
+        return y.reshape(n, self.n_head * self.hd)
 
 
 class MLP(nn.Module):
@@ -238,7 +251,7 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        cache: KVCache,
+        cache: PagedKVCache,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -254,7 +267,7 @@ def _fuse(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
 
 
 class LlamaModel(nn.Module):
-    """Decoder-only transformer; ``forward`` returns logits of the last ``n_logits`` positions."""
+    """Decoder-only transformer; ``forward`` returns logits of the batch's ``logit_rows``."""
 
     attention_cls: ClassVar[type[Attention]] = Attention
 
@@ -284,26 +297,28 @@ class LlamaModel(nn.Module):
     def rope_at(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE cos and sin (B, 1, T, hd) for (B, T) ``positions``, in ``dtype``."""
+        """RoPE cos and sin (n, 1, hd) for (n,) ``positions``, in ``dtype`` (broadcast over
+        heads)."""
         cos = self.rope_cos[positions].unsqueeze(1).to(dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
         return cos, sin
 
     def forward(
-        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
+        self, idx: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache
     ) -> torch.Tensor:
-        """Run ``idx`` (B, T) at ``batch.positions`` and return logits (B, n_logits, V) in fp32."""
+        """Run token rows ``idx`` (n,) at ``batch.positions``; logits (m, V) fp32 of the rows
+        ``batch.logit_rows``."""
         if self.rope_cos.device != idx.device:
             self.rope_cos, self.rope_sin = (
                 self.rope_cos.to(idx.device),
                 self.rope_sin.to(idx.device),
             )
-        x = self.embed_tokens(idx)  # (B, T, C)
+        x = self.embed_tokens(idx)  # (n, C)
         cos, sin = self.rope_at(batch.positions, x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, batch, cache)
-        x = self.norm(x[:, -n_logits:])  # (B, n, C): skip the lm_head for prefill positions
-        return self.lm_head(x).float()  # (B, n, V)
+        x = self.norm(x[batch.logit_rows])  # (m, C): no lm_head for the other prompt rows
+        return self.lm_head(x).float()  # (m, V)
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors into the fused parameters.

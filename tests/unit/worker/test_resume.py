@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.kv_cache import AttentionBatch, KVCache
+from services.worker.kv_cache import AttentionBatch, PagedKVCache
 from services.worker.loaders import LoadedModel, build_card
 from services.worker.parsing.decoder import OutputDecoder
 from services.worker.torch_backend import TorchBackend
@@ -126,14 +126,14 @@ class PositionScriptModel(ForcedSequenceModel):
     """
 
     def forward(
-        self, idx: torch.Tensor, batch: AttentionBatch, cache: KVCache, n_logits: int = 1
+        self, idx: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache
     ) -> torch.Tensor:
-        """Return (B, 1, V) logits whose winner is the script token for the next position."""
-        B, T = idx.shape  # (B, T)
-        out = torch.full((B, 1, self.config.vocab_size), -10.0)
-        for row, start in enumerate(batch.starts):
-            k = start + T - len(PROMPT)
-            out[row, 0, self.script[k] if 0 <= k < len(self.script) else self.end_id] = 10.0
+        """Return (m, V) logits whose winner is the script token for the next position."""
+        out = torch.full((batch.logit_rows.numel(), self.config.vocab_size), -10.0)
+        wanting = [s for s in batch.seqs if s.logits]
+        for row, s in enumerate(wanting):
+            k = s.start + s.count - len(PROMPT)
+            out[row, self.script[k] if 0 <= k < len(self.script) else self.end_id] = 10.0
         return out
 
 
@@ -196,7 +196,7 @@ async def test_engine_continuation_equals_the_uninterrupted_stream() -> None:
         for k in range(1, len(batches)):  # every cut but after the final batch
             published = flat(batches[:k])
             # A different worker continues: nothing of this prompt is in its cache.
-            scripted.scheduler.cache.tokens = [[] for _ in range(scripted.max_batch)]
+            scripted.scheduler.clear_prefix_cache()
             rest = flat(await collect(scripted, job, generated_token_ids(published)))
             assert isinstance(rest[0], Start) and rest[0].attempt == 2
             joined = published + [e for e in rest if not isinstance(e, Start)]

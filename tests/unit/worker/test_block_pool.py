@@ -1,0 +1,93 @@
+"""The KV block pool: allocation order, reference counts, the hash chain and LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.block_pool import BlockPool, NoFreeBlocks, chain_hashes, root_hash
+
+ROOT = root_hash("m")
+
+
+def hashes(tokens: list[int], size: int = 4) -> list[bytes]:
+    out: list[bytes] = []
+    chain_hashes(tokens, len(tokens), size, out, ROOT)
+    return out
+
+
+def test_the_chain_covers_whole_prefixes_and_the_model() -> None:
+    a = hashes([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(a) == 2  # the ninth token is not a full block
+    b = hashes([9, 2, 3, 4, 5, 6, 7, 8])
+    assert a[0] != b[0] and a[1] != b[1]  # same second block, other prefix: another hash
+    assert hashes([1, 2, 3, 4, 5, 6, 7, 8]) == a
+    other: list[bytes] = []
+    chain_hashes([1, 2, 3, 4], 4, 4, other, root_hash("another model"))
+    assert other[0] != a[0]
+    grown = a[:1]  # extending a chain continues from its last hash
+    chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], 8, 4, grown, ROOT)
+    assert grown == a
+
+
+def test_lowest_free_block_first_and_exhaustion() -> None:
+    pool = BlockPool(3, 4)
+    assert [pool.allocate() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate()
+    pool.release([1])
+    assert pool.free == 1 and pool.allocate() == 1
+
+
+def test_shared_blocks_are_freed_by_their_last_holder() -> None:
+    pool = BlockPool(4, 4)
+    h = hashes([1, 2, 3, 4, 5, 6, 7, 8])
+    blocks = [pool.allocate(), pool.allocate()]
+    for block, key in zip(blocks, h, strict=True):
+        pool.register(block, key)
+    assert pool.match(h) == blocks
+    for block in blocks:  # a second sequence shares the prefix
+        pool.take(block)
+    pool.release(blocks)
+    assert pool.used == 2  # still held by the second
+    pool.release(blocks)
+    assert pool.used == 0 and pool.cached_free == 2
+    assert pool.match(h) == blocks  # free, but still cached
+
+
+def test_lru_evicts_the_oldest_cached_block_and_only_when_nothing_plain_is_free() -> None:
+    pool = BlockPool(3, 4)
+    first, second = hashes([1, 1, 1, 1]), hashes([2, 2, 2, 2])
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, first[0])
+    pool.register(b, second[0])
+    pool.release([a])
+    pool.release([b])  # a is older in the LRU
+    assert pool.allocate() == 2  # a plain block before any eviction
+    assert pool.allocate() == a and pool.evictions == 1
+    assert pool.match(first) == [] and pool.match(second) == [b]
+    pool.take(b)  # a hit takes it out of the LRU
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate()
+
+
+def test_a_sequence_tail_is_evicted_before_its_prefix() -> None:
+    pool = BlockPool(3, 4)
+    h = hashes(list(range(12)))
+    blocks = [pool.allocate() for _ in range(3)]
+    for block, key in zip(blocks, h, strict=True):
+        pool.register(block, key)
+    pool.release(blocks)  # released last first
+    assert pool.allocate() == blocks[2]
+    assert pool.match(h) == blocks[:2]
+
+
+def test_a_duplicate_block_stays_plain_and_clear_forgets_everything() -> None:
+    pool = BlockPool(3, 4)
+    h = hashes([5, 5, 5, 5])
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, h[0])
+    pool.register(b, h[0])  # computed side by side: the first stays the cached one
+    pool.release([a, b])
+    assert pool.match(h) == [a] and pool.cached_free == 1
+    pool.clear_cache()
+    assert pool.match(h) == [] and pool.free == 3 and pool.cached_free == 0
