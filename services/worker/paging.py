@@ -130,13 +130,14 @@ class Planner:
         if seq.kv_len % self.size or seq.kv_len // self.size != len(seq.blocks):
             return
         hits = self._hits(seq, len(seq.blocks))
+        if not hits:
+            return
         for block in hits:
             self.pool.take(block)
         seq.blocks.extend(hits)
+        seq.cached += min(len(hits) * self.size, max(0, len(seq.prompt) - seq.kv_len))
         seq.kv_len += len(hits) * self.size
         seq.registered = len(seq.blocks)
-        if not seq.preempted:
-            seq.cached = min(seq.kv_len, len(seq.prompt))
 
     def _grow(self, seq: SequenceState, length: int) -> bool:
         """Blocks for ``length`` tokens in ``seq``'s table, preempting the latest admitted
