@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from services.worker.kernels import Layer
-from services.worker.kv_cache import KVCache, build_batch
+from services.worker.kv_cache import AttentionBatch, PagedKVCache, SeqRows, build_batch
 from services.worker.loaders import load_model
 from services.worker.models.blocks import H16
 from services.worker.models.kernel_llama import QuantizedLlama
 
 CPU = torch.device("cpu")
+BLOCK = 16  # the scheduler's default block size
 
 
 def widen(model: QuantizedLlama) -> int:
@@ -46,16 +47,19 @@ def widen(model: QuantizedLlama) -> int:
     return widened
 
 
-def filled(model: QuantizedLlama, ctx: int) -> tuple[KVCache, torch.Tensor]:
-    """A one-slot cache holding ``ctx`` prefilled tokens, and their last logits."""
+def filled(model: QuantizedLlama, ctx: int) -> tuple[PagedKVCache, AttentionBatch, torch.Tensor]:
+    """A paged cache holding one sequence's ``ctx`` prefilled tokens (its blocks in order), the
+    batch of its next decode step (position ``ctx``), and the prefill's last logits."""
     c = model.config
-    cache = KVCache(
-        layers=c.num_layers, slots=1, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        max_len=c.context_length, dtype=model.kv_dtype, device=CPU, initial=512,
+    blocks = -(-(ctx + 1) // BLOCK)
+    cache = PagedKVCache(
+        layers=c.num_layers, num_blocks=blocks, block_size=BLOCK, kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, dtype=model.kv_dtype, device=CPU,
     )  # fmt: skip
-    cache.reserve(ctx + 8)
-    ids = torch.randint(0, 1000, (1, ctx), generator=torch.Generator().manual_seed(0))
-    return cache, model(ids, build_batch([0], [0], ctx, CPU), cache, n_logits=1)
+    table = [cache.allocate() for _ in range(blocks)]
+    ids = torch.randint(0, 1000, (ctx,), generator=torch.Generator().manual_seed(0))
+    logits = model(ids, build_batch([SeqRows(0, table, 0, ctx)], BLOCK, CPU), cache)
+    return cache, build_batch([SeqRows(0, table, ctx, 1)], BLOCK, CPU), logits
 
 
 def main() -> None:
@@ -80,12 +84,12 @@ def main() -> None:
         for ctx in contexts:
             first = None
             for name, model in variants.items():
-                cache, logits = filled(model, ctx)
+                cache, batch, logits = filled(model, ctx)
                 assert first is None or torch.equal(logits, first), "the variants disagree"
                 first = logits
-                runs.append((name, ctx, model, cache, build_batch([0], [ctx], 1, CPU)))
+                runs.append((name, ctx, model, cache, batch))
         times: dict[tuple[str, int], list[float]] = {(n, c): [] for n, c, *_ in runs}
-        token = torch.tensor([[5]])
+        token = torch.tensor([5])
         for _ in range(args.steps):
             for name, ctx, model, cache, batch in runs:
                 began = time.perf_counter()

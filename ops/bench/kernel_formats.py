@@ -5,10 +5,12 @@ and each kernel build (native: AVX-512 VNNI where the CPU has it, with AMX tiles
 where it has those; ``avx512vnni``: the native build without AMX, ``-DSL_NO_AMX``, timed beside
 it on such a CPU; ``avx2``: -mavx2 -mfma only),
 times one 190-token prefill (B = 1) and decode steps at B = 1 and B = 16 with ~200 cached tokens,
-in-process, without the scheduler (``--allow-dense``: files that load as dense torch models, e.g.
-with an older checkout on PYTHONPATH, are timed the same way). Builds and files alternate inside
-each repeat, so a neighbour's load hits them alike; the medians and the ratios against the first
-file's native build are printed as JSON. Run it on an idle machine (``uptime`` load below ~0.5).
+in-process, without the scheduler, on a paged cache of 16-token blocks (``--allow-dense``: files
+that load as dense torch models are timed the same way; a checkout from before the paged cache
+has another forward: time it with that checkout's copy of this script). Builds and files
+alternate inside each repeat, so a neighbour's load hits them alike; the medians and the ratios
+against the first file's native build are printed as JSON. Run it on an idle machine (``uptime``
+load below ~0.5).
 
     .venv/bin/python ops/bench/kernel_formats.py /tmp/q4_1.gguf /tmp/q4_0.gguf /tmp/q8_0.gguf
 """
@@ -22,50 +24,58 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from services.worker import kernels
 from services.worker.kernels import FLAGS, Kernels, build
-from services.worker.kv_cache import KVCache, build_batch
+from services.worker.kv_cache import AttentionBatch, PagedKVCache, SeqRows, build_batch
 from services.worker.loaders import load_model
 from services.worker.models.kernel_llama import QuantizedLlama
 
 PROMPT = 190
 CPU = torch.device("cpu")
+BLOCK = 16  # the scheduler's default block size
 AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
-def _cache(model: torch.nn.Module, slots: int) -> KVCache:
-    c = model.config
-    cache = KVCache(
+def _cache(
+    model: torch.nn.Module, seqs: int, start: int, count: int
+) -> tuple[PagedKVCache, AttentionBatch]:
+    """A paged cache with blocks for ``seqs`` sequences of ``start + count`` tokens each (their
+    tables side by side in the pool), and the batch of ``count`` new tokens of each after
+    ``start`` (those before read as zeros: the cache zero-fills a fresh block)."""
+    c: Any = model.config  # a LlamaConfig
+    per_seq = -(-(start + count) // BLOCK)
+    cache = PagedKVCache(
         layers=c.num_layers,
-        slots=slots,
+        num_blocks=seqs * per_seq,
+        block_size=BLOCK,
         kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
-        max_len=c.context_length,
         dtype=model.kv_dtype if isinstance(model, QuantizedLlama) else torch.float32,
         device=CPU,
-        initial=512,
     )
-    cache.reserve(PROMPT + 64)
-    return cache
+    rows = [
+        SeqRows(i, [cache.allocate() for _ in range(per_seq)], start, count) for i in range(seqs)
+    ]
+    return cache, build_batch(rows, BLOCK, CPU)
 
 
 def measure(model: torch.nn.Module, steps: int) -> dict[str, float]:
     """Seconds: one prefill of PROMPT tokens, and a decode step (median) at B = 1 and 16."""
     out: dict[str, float] = {}
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 1000, (1, PROMPT), generator=g)
+    ids = torch.randint(0, 1000, (PROMPT,), generator=g)
     with torch.inference_mode():
-        cache = _cache(model, 1)
+        cache, batch = _cache(model, 1, 0, PROMPT)
         began = time.perf_counter()
-        model(ids, build_batch([0], [0], PROMPT, CPU), cache, n_logits=1)
+        model(ids, batch, cache)
         out["prefill_s"] = time.perf_counter() - began
         for rows in (1, 16):
-            cache = _cache(model, rows)
-            batch = build_batch(list(range(rows)), [PROMPT] * rows, 1, CPU)
-            tokens = torch.randint(0, 1000, (rows, 1), generator=g)
+            cache, batch = _cache(model, rows, PROMPT, 1)
+            tokens = torch.randint(0, 1000, (rows,), generator=g)
             times = []
             for _ in range(steps):
                 began = time.perf_counter()

@@ -31,11 +31,12 @@ import torch
 
 from services.worker import kernels
 from services.worker.kernels import FLAGS, Activations, Kernels
-from services.worker.kv_cache import KVCache, build_batch
+from services.worker.kv_cache import PagedKVCache, SeqRows, build_batch
 from services.worker.loaders import load_model
 from services.worker.models.kernel_llama import QuantizedLlama
 
 CPU = torch.device("cpu")
+BLOCK = 16  # the scheduler's default block size
 
 
 def build_from(directory: Path) -> Kernels:
@@ -54,23 +55,24 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
     """Seconds per stage (summed over layers) of one prefill of ``tokens`` random ids, stage by
     stage through the exported entry points, and ``forward``: the model's own single call."""
     cfg = model.config
-    ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
-    cache = KVCache(
+    ids = torch.randint(0, 1000, (tokens,), generator=torch.Generator().manual_seed(0))
+    blocks = -(-tokens // BLOCK)
+    cache = PagedKVCache(
         layers=cfg.num_layers,
-        slots=1,
+        num_blocks=blocks,
+        block_size=BLOCK,
         kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        max_len=cfg.context_length,
         dtype=model.kv_dtype,
         device=CPU,
-        initial=512,
     )
-    cache.reserve(tokens + 8)
-    batch = build_batch([0], [0], tokens, CPU)
+    batch = build_batch(
+        [SeqRows(0, [cache.allocate() for _ in range(blocks)], 0, tokens)], BLOCK, CPU
+    )
     spent: dict[str, float] = defaultdict(float)
     model.kernels = k  # the packed weights do not depend on the build
     began = CLOCK[0]()
-    model(ids, batch, cache, n_logits=1)
+    model(ids, batch, cache)
     spent["forward"] = CLOCK[0]() - began
     clock = [CLOCK[0]()]
 
@@ -82,13 +84,14 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
     rows, eps, threads = tokens, cfg.rms_norm_eps, k.threads()
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     began = CLOCK[0]()
-    x = model.embed(ids.reshape(rows))
+    x = model.embed(ids)
     act = Activations(rows, model.act_width)
     qkv = torch.empty(rows, model.blocks[0].qkv.out_features)
     attended = torch.empty(rows, H * hd)
     scores = torch.empty(threads * max(tokens, 256) * 2)
     gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
-    starts, slots = batch.start_index.contiguous(), batch.slot_index.contiguous()
+    pos, seq = batch.positions.contiguous(), batch.seq_index.contiguous()
+    tables = batch.tables.contiguous()
     rope = model.model.rope_cos.data_ptr(), model.model.rope_sin.data_ptr()
     tick("embed")
     for i, blk in enumerate(model.blocks):
@@ -98,9 +101,10 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
         tick("gemm_qkv")
         norms = [0 if t is None else t.data_ptr() for t in (blk.q_norm, blk.k_norm)]
         k.lib.sl_attention(
-            1, tokens, H, KV, hd, qkv.data_ptr(), *rope, starts.data_ptr(), slots.data_ptr(),
-            cache.k[i].data_ptr(), cache.v[i].data_ptr(), cache.capacity, *norms, eps,
-            attended.data_ptr(), scores.data_ptr(), tokens, threads,
+            tokens, H, KV, hd, qkv.data_ptr(), *rope, pos.data_ptr(), seq.data_ptr(),
+            tables.data_ptr(), tables.shape[1], BLOCK, cache.k[i].data_ptr(),
+            cache.v[i].data_ptr(), *norms, eps, attended.data_ptr(), scores.data_ptr(), tokens,
+            threads,
         )  # fmt: skip
         tick("attention")
         k.quantize(attended, act)

@@ -17,7 +17,6 @@ from services.worker import kernels
 from services.worker.kernels import (
     Kernels,
 )
-from services.worker.kv_cache import build_batch
 from services.worker.loaders import ModelLoadError, load_model
 from services.worker.loaders.gguf import load_gguf
 from services.worker.models.blocks import (
@@ -27,9 +26,9 @@ from services.worker.models.kernel_llama import QuantizedLlama
 from tests.unit.worker.test_kernels_formats import _random_blocks
 from tests.worker_models import (
     ARCH_MODEL_TYPE,
+    Slots,
     hf_state_dict,
     model_cache,
-    prefill_logits,
     random_model,
     tiny_tokenizer,
     write_gguf,
@@ -41,15 +40,15 @@ torch.set_num_threads(1)
 def _logits(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill logits of two ragged prompts in two slots, then one decode step of both rows,
     on a cache of halves (the kernels' keys and values; the dense model reads them widened)."""
-    cache = model_cache(model, slots=2, dtype=torch.float16)
-    rows = [prefill_logits(model, prompts[0], cache=cache)]
-    batch = build_batch([1], [0], len(prompts[1]), torch.device("cpu"))
+    slots = Slots(model_cache(model, dtype=torch.float16), 2)
+    lengths = [len(ids) for ids in prompts]
     with torch.inference_mode():
-        rows.append(model(torch.tensor([prompts[1]]), batch, cache, len(prompts[1]))[0])
-        lengths = [len(ids) for ids in prompts]
-        cache.reserve(max(lengths) + 1)
-        batch = build_batch([0, 1], lengths, 1, torch.device("cpu"))
-        return torch.cat(rows), model(torch.tensor([[5], [17]]), batch, cache)[:, 0]
+        rows = [
+            slots.forward(model, torch.tensor([ids]), [slot], [0], len(ids))[0]
+            for slot, ids in enumerate(prompts)
+        ]
+        decode = slots.forward(model, torch.tensor([[5], [17]]), [0, 1], lengths)[:, 0]
+    return torch.cat(rows), decode
 
 
 # the kernel format each type written by gguf-py is packed into (every linear here has a

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import load_model
 from services.worker.models.llama import LlamaConfig, LlamaModel, rope_inv_freq
 from tests.worker_models import (
     ARCH_MODEL_TYPE,
+    Slots,
     model_cache,
     prefill_logits,
     random_model,
@@ -25,23 +25,23 @@ ARCHS = sorted(ARCH_MODEL_TYPE)
 VOCAB = tiny_tokenizer().get_vocab_size()
 
 
-def _cache(model: LlamaModel, slots: int = 4) -> KVCache:
-    return model_cache(model, slots=slots, initial=8)
+def _slots(model: LlamaModel, slots: int = 4) -> Slots:
+    """Slots over a paged cache of 8-token blocks: the tests' sequences span several blocks."""
+    return Slots(model_cache(model, blocks=32, block_size=8), slots)
 
 
 def _prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    """Logits at every position from one full-sequence forward (slot 0)."""
-    return prefill_logits(model, ids, cache=_cache(model))
+    """Logits at every position from one full-sequence forward."""
+    return prefill_logits(model, ids, cache=model_cache(model, blocks=8, block_size=8))
 
 
 def _stepwise_logits(model: LlamaModel, ids: list[int], slot: int = 1) -> torch.Tensor:
     """Logits from feeding ``ids`` one token at a time through the KV cache."""
-    cache = _cache(model)
+    slots = _slots(model)
     rows = []
-    for pos, token in enumerate(ids):
-        cache.reserve(pos + 1)  # exercises capacity growth (initial 8)
-        batch = build_batch([slot], [pos], 1, torch.device("cpu"))
-        rows.append(model(torch.tensor([[token]]), batch, cache)[0, -1])
+    for pos, token in enumerate(ids):  # a new block every 8 tokens
+        rows.append(slots.forward(model, torch.tensor([[token]]), [slot], [pos])[0, -1])
+    assert len(slots.tables[slot]) == 3
     return torch.stack(rows)
 
 
@@ -60,38 +60,29 @@ def test_prefill_matches_token_by_token_decode(arch: str) -> None:
 def test_chunked_prefill_matches_full_prefill(arch: str) -> None:
     model = random_model(arch, VOCAB, seed=2)
     ids = list(range(5, 30))
-    cache = _cache(model)
-    cache.reserve(len(ids))
+    slots = _slots(model)
     with torch.inference_mode():
         full = _prefill_logits(model, ids)[-1]
-        model(torch.tensor([ids[:10]]), build_batch([2], [0], 10, torch.device("cpu")), cache)
-        last = model(
-            torch.tensor([ids[10:]]), build_batch([2], [10], 15, torch.device("cpu")), cache
-        )
+        slots.forward(model, torch.tensor([ids[:10]]), [2], [0])  # ends inside its second block
+        last = slots.forward(model, torch.tensor([ids[10:]]), [2], [10])
     torch.testing.assert_close(last[0, -1], full, atol=1e-4, rtol=1e-4)
 
 
 def _greedy(
     model: LlamaModel, prompts: list[list[int]], steps: int, slots: list[int]
 ) -> list[list[int]]:
-    """Greedy decode of several prompts together: per-slot prefill, then ragged batched steps."""
-    cache = _cache(model, slots=max(slots) + 1)
+    """Greedy decode of several prompts together: per-slot prefill, then ragged batched steps
+    (the slots' blocks interleave in the pool as the sequences grow)."""
+    cache = _slots(model, slots=max(slots) + 1)
     out: list[list[int]] = []
     lengths = []
     for prompt, slot in zip(prompts, slots, strict=True):
-        cache.reserve(len(prompt))
-        logits = model(
-            torch.tensor([prompt]),
-            build_batch([slot], [0], len(prompt), torch.device("cpu")),
-            cache,
-        )
+        logits = cache.forward(model, torch.tensor([prompt]), [slot], [0])
         out.append([int(logits[0, -1].argmax())])
         lengths.append(len(prompt))
     for _ in range(steps - 1):
-        cache.reserve(max(lengths) + 1)
-        batch = build_batch(slots, lengths, 1, torch.device("cpu"))
-        logits = model(torch.tensor([[o[-1]] for o in out]), batch, cache)[:, -1]
-        for i, row in enumerate(logits):
+        logits = cache.forward(model, torch.tensor([[o[-1]] for o in out]), slots, lengths)
+        for i, row in enumerate(logits[:, -1]):
             out[i].append(int(row.argmax()))
             lengths[i] += 1
     return out

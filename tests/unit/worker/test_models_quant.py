@@ -9,14 +9,13 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from services.worker import kernels
-from services.worker.kv_cache import build_batch
 from services.worker.loaders import load_model
 from services.worker.models.int_linears import Int4Linear, Int8Linear, quantize_linears
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.models.llama import LlamaModel
 from tests.worker_models import (
+    Slots,
     model_cache,
-    prefill_logits,
     random_model,
     tiny_tokenizer,
     write_gguf,
@@ -80,18 +79,16 @@ def test_four_bit_gguf_decodes_from_four_bits_on_cpu_by_default(tmp_path: Path) 
     prompts = [tk.encode("The capital of France is Paris.").ids, tk.encode("Hello world!").ids]
     prefill, decode = [], []
     for lm in (auto, dense):
-        cache = model_cache(lm.model, slots=2)
-        rows = [prefill_logits(lm.model, prompts[0], cache=cache)]  # slot 0
-        # The second prompt in slot 1, then one decode step (t = 1) for both rows, ragged.
-        batch = build_batch([1], [0], len(prompts[1]), torch.device("cpu"))
-        with torch.inference_mode():
-            rows.append(lm.model(torch.tensor([prompts[1]]), batch, cache, len(prompts[1]))[0])
-        prefill.append(torch.cat(rows))
+        slots = Slots(model_cache(lm.model), 2)
         lengths = [len(ids) for ids in prompts]
-        cache.reserve(max(lengths) + 1)
-        batch = build_batch([0, 1], lengths, 1, torch.device("cpu"))
         with torch.inference_mode():
-            decode.append(lm.model(torch.tensor([[5], [17]]), batch, cache)[:, 0])
+            # Each prompt in its own slot, then one decode step (one token each) of both, ragged.
+            rows = [
+                slots.forward(lm.model, torch.tensor([ids]), [slot], [0], len(ids))[0]
+                for slot, ids in enumerate(prompts)
+            ]
+            prefill.append(torch.cat(rows))
+            decode.append(slots.forward(lm.model, torch.tensor([[5], [17]]), [0, 1], lengths)[:, 0])
     for got, want in (prefill, decode):
         assert got.shape == want.shape
         # Measured: prefill exact (kernels) or 0.4 % (int4), decode 0.4 % of the largest logit.

@@ -12,9 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.kv_cache import build_batch
 from services.worker.loaders import load_model
-from tests.worker_models import ARCH_MODEL_TYPE, model_cache, prefill_logits, write_hf_model
+from tests.worker_models import (
+    ARCH_MODEL_TYPE,
+    Slots,
+    model_cache,
+    prefill_logits,
+    write_hf_model,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,17 +50,13 @@ def test_logits_and_greedy_match_transformers(tmp_path: Path, arch: str) -> None
             pad_token_id=0,
         )[0, len(ids) :].tolist()
     seq = list(ids)
-    cache = model_cache(ours.model)
+    slots = Slots(model_cache(ours.model), 1)
     mine: list[int] = []
     with torch.inference_mode():
-        logits = ours.model(
-            torch.tensor([seq]), build_batch([0], [0], len(seq), torch.device("cpu")), cache
-        )
+        logits = slots.forward(ours.model, torch.tensor([seq]), [0], [0])
         for _ in range(12):
             token = int(logits[0, -1].argmax())
             mine.append(token)
-            logits = ours.model(
-                torch.tensor([[token]]), build_batch([0], [len(seq)], 1, torch.device("cpu")), cache
-            )
+            logits = slots.forward(ours.model, torch.tensor([[token]]), [0], [len(seq)])
             seq.append(token)
     assert mine == generated

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from services.worker.kernels import Kernels, build
-from services.worker.kv_cache import KVCache, build_batch
 from services.worker.loaders import quantize_for_cpu
 from services.worker.models.int_linears import Int4Linear, Int8Linear
 from services.worker.models.kernel_llama import (
@@ -24,6 +23,7 @@ from services.worker.models.llama import LlamaModel
 from tests.worker_models import (
     ARCH_MODEL_TYPE,
     SCALAR_KERNEL_FLAGS as SCALAR_FLAGS,
+    Slots,
     gen as _gen,
     model_cache,
     random_model,
@@ -57,8 +57,17 @@ def _snap_to_grid(model: LlamaModel) -> None:
         head.copy_((q.float().view(head.shape[0], -1, QK) * scale[..., None]).view_as(head))
 
 
-def _decode_cache(model: nn.Module) -> KVCache:
-    return model_cache(model, slots=4, initial=32)
+BLOCK = 8  # the tests' sequences span several blocks
+
+
+def _decode_slots(model: nn.Module) -> Slots:
+    """Four slots over a pool of 8-token blocks, every block zeroed up front (``torch.empty``
+    otherwise: a block nobody allocates holds whatever the memory held), so what the forwards
+    never wrote reads as zero."""
+    cache = model_cache(model, blocks=16, block_size=BLOCK)
+    cache.k.zero_()
+    cache.v.zero_()
+    return Slots(cache, 4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -72,23 +81,22 @@ def test_quantized_llama_tracks_the_dense_model(k: Kernels, arch: str) -> None:
     g = _gen(300)
     slots, lengths = [2, 0, 3], [7, 3, 12]  # ragged rows in non-contiguous slots
     prompts = [torch.randint(0, VOCAB, (1, t), generator=g) for t in lengths]
-    caches = [_decode_cache(dense), _decode_cache(quantized)]  # fp32; the kernels' halves
+    caches = [_decode_slots(dense), _decode_slots(quantized)]  # fp32; the kernels' halves
     last = []
     with torch.inference_mode():
         for slot, ids in zip(slots, prompts, strict=True):
-            batch = build_batch([slot], [0], ids.shape[1], torch.device("cpu"))
-            want = dense(ids, batch, caches[0], n_logits=ids.shape[1])
-            got = quantized(ids, batch, caches[1], n_logits=ids.shape[1])
+            T = ids.shape[1]
+            want = caches[0].forward(dense, ids, [slot], [0], n_logits=T)
+            got = caches[1].forward(quantized, ids, [slot], [0], n_logits=T)
             # Prefill (T > 1) runs the same kernels (8-bit activations) around torch attention.
             assert ((got - want).abs().max() / want.abs().max()).item() < 0.02
             last.append(want[0, -1])
         tokens = torch.stack(last).argmax(-1, keepdim=True)  # (3, 1)
         starts = list(lengths)
         worst = 0.0
-        for _ in range(5):
-            batch = build_batch(slots, starts, 1, torch.device("cpu"))
-            want = dense(tokens, batch, caches[0])
-            got = quantized(tokens, batch, caches[1])
+        for _ in range(5):  # the decode steps cross block boundaries (8 and 16 tokens)
+            want = caches[0].forward(dense, tokens, slots, starts)
+            got = caches[1].forward(quantized, tokens, slots, starts)
             assert got.shape == want.shape == (3, 1, VOCAB) and got.dtype == torch.float32
             rel = ((got - want).abs().max() / want.abs().max()).item()
             worst = max(worst, rel)
@@ -96,15 +104,26 @@ def test_quantized_llama_tracks_the_dense_model(k: Kernels, arch: str) -> None:
             starts = [s + 1 for s in starts]
     # On-grid weights leave 8-bit activations as the only loss: measured below 1 %.
     assert worst < 0.02, f"decode logits differ by {worst:.2%} of the largest logit"
-    # The decode steps wrote the same keys and values (up to 8-bit activations).
-    for cache in caches:
-        assert cache.capacity == 32
+    # Each slot holds just the blocks its tokens need, and the decode steps wrote the same keys
+    # and values (up to 8-bit activations).
+    for c in caches:
+        assert [len(c.tables[s]) for s in slots] == [-(-end // BLOCK) for end in starts]
+        assert c.cache.pool.used == sum(len(t) for t in c.tables)
     for slot, end in zip(slots, starts, strict=True):
-        for a, b in ((caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):
-            got, want = a[:, slot, :, :end], b[:, slot, :, :end]
+        (gk, gv), (wk, wv) = caches[1].kv(slot, end), caches[0].kv(slot, end)
+        for got, want in ((gk, wk), (gv, wv)):
             assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
-    untouched = [s for s in range(4) if s not in slots]
-    assert not caches[1].k[:, untouched].any() and not caches[1].v[:, untouched].any()
+    # Nothing else was written: neither the blocks no slot holds nor the positions past a
+    # slot's length in its last block.
+    for c in caches:
+        written = torch.zeros(c.cache.num_blocks, BLOCK, dtype=torch.bool)  # (block, offset)
+        for slot, end in zip(slots, starts, strict=True):
+            for p in range(end):
+                written[c.tables[slot][p // BLOCK], p % BLOCK] = True
+        for kv in (c.cache.k, c.cache.v):  # (layers, blocks, KV, BS, hd)
+            by_position = kv.permute(1, 3, 0, 2, 4)  # (blocks, BS, layers, KV, hd)
+            assert by_position[written].any(-1).all()  # every written key and value vector
+            assert not by_position[~written].any()
 
 
 # ---- build and fallback -----------------------------------------------------------------------
