@@ -7,15 +7,17 @@ tokenizer) of the backend that will run the job.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
+from shared.events import AnyEvent
 from shared.jobs import GenerateRequest, Job
 from shared.model_card import ModelCard
 from shared.prompt import PromptRenderer
+from tests.invariants import check_stream
 
-__all__ = ["as_job", "tokenize"]
+__all__ = ["as_job", "run", "tokenize"]
 
 
 class _HasCard(Protocol):
@@ -37,3 +39,12 @@ def as_job(request: GenerateRequest, backend: _HasCard) -> Job:
     """``request`` tokenized for ``backend`` (its card; a loaded model's own tokenizer if any)."""
     loaded = getattr(backend, "loaded", None)
     return tokenize(request, backend.card, getattr(loaded, "tokenizer", None))
+
+
+async def run(backend: Any, request: GenerateRequest) -> list[AnyEvent]:
+    """Every event of ``request`` on ``backend`` (a ``TorchBackend``), the stream checked."""
+    events: list[AnyEvent] = []
+    async for batch in backend.generate(as_job(request, backend), [], 1):
+        events.extend(batch)
+    check_stream(events)
+    return events

@@ -17,10 +17,10 @@ import torch
 from services.worker.loaders import load_model
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
-from shared.events import AnyEvent, TextDelta
+from shared.events import TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
-from tests.invariants import check_stream, generated_token_ids
-from tests.job_factory import as_job
+from tests.invariants import generated_token_ids
+from tests.job_factory import run
 from tests.worker_models import ARCH_MODEL_TYPE, prefill_logits, write_hf_model
 
 pytestmark = [
@@ -37,14 +37,6 @@ def ask(text: str, rid: str, **kw: object) -> GenerateRequest:
         sampling=SamplingParams(temperature=0.0),
         **kw,  # type: ignore[arg-type]
     )
-
-
-async def run(b: TorchBackend, job: GenerateRequest) -> list[AnyEvent]:
-    events: list[AnyEvent] = []
-    async for batch in b.generate(as_job(job, b), [], 1):
-        events.extend(batch)
-    check_stream(events)
-    return events
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_MODEL_TYPE))

@@ -27,8 +27,8 @@ from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 from shared.events import AnyEvent, Finish, Start, TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
-from tests.invariants import check_stream, generated_token_ids
-from tests.job_factory import as_job
+from tests.invariants import generated_token_ids
+from tests.job_factory import as_job, run
 
 pytestmark = pytest.mark.slow
 
@@ -72,14 +72,6 @@ def ask(text: str, rid: str = "r1", **kw: object) -> GenerateRequest:
         messages=[Message(role="user", content=[TextPart(text=text)])],
         **kw,  # type: ignore[arg-type]
     )
-
-
-async def run(b: TorchBackend, job: GenerateRequest) -> list[AnyEvent]:
-    events: list[AnyEvent] = []
-    async for batch in b.generate(as_job(job, b), [], 1):
-        events.extend(batch)
-    check_stream(events)
-    return events
 
 
 def text_of(events: list[AnyEvent]) -> str:

@@ -21,8 +21,8 @@ from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 from shared.events import AnyEvent, Start, TextDelta, Usage
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
-from tests.invariants import check_stream, generated_token_ids
-from tests.job_factory import as_job
+from tests.invariants import generated_token_ids
+from tests.job_factory import as_job, run
 
 pytestmark = pytest.mark.slow
 
@@ -64,14 +64,6 @@ def session(turns: list[str], answers: list[str], rid: str, max_tokens: int) -> 
         max_tokens=max_tokens,
         ignore_eos=True,
     )
-
-
-async def run(b: TorchBackend, request: GenerateRequest) -> list[AnyEvent]:
-    events: list[AnyEvent] = []
-    async for batch in b.generate(as_job(request, b), [], 1):
-        events.extend(batch)
-    check_stream(events)
-    return events
 
 
 def cached(events: list[AnyEvent]) -> tuple[int, int]:
