@@ -89,6 +89,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # a GPU). Smaller keeps streams smooth while long prompts arrive; larger reads prompts
     # faster.
     max_batched_tokens: int = 0
+    # SLUICE_PREFILL_STALL: a step that reads a prompt while streams decode takes at most about
+    # this many times a decode-only step (measured as it runs): fewer prompt rows per step, so
+    # each stream's next token is late by at most that much (0: the token budget alone).
+    prefill_stall: float = 2.5
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:

@@ -3,8 +3,9 @@
 Owns admission by free blocks, each sequence's block table (prefix-cache hits, blocks allocated
 as its tokens need them, full blocks made known to the cache), preemption when the pool runs
 dry, and the plan of one step: every decoding sequence's next token, then prompt chunks up to
-the step's token budget. Pure bookkeeping over ``kv_cache.PagedKVCache``'s pool: no forward, no
-sampling, no threads (the scheduler calls it under its lock), so it is unit-tested alone.
+the step's token budget, fewer while streams decode (``StallGuard``). Pure bookkeeping over
+``kv_cache.PagedKVCache``'s pool: no forward, no sampling, no threads (the scheduler calls it
+under its lock), so it is unit-tested alone.
 
 Admission is in arrival order: the head of the queue waits until the pool can hold its whole
 known token list, beside what running sequences still need for theirs and a small watermark,
@@ -30,18 +31,61 @@ from services.worker.block_pool import NoFreeBlocks, chain_hashes
 from services.worker.kv_cache import PagedKVCache
 from services.worker.sequence import SequenceState
 
-__all__ = ["MIN_PREFILL_SHARE", "Planner"]
+__all__ = ["MIN_PREFILL_SHARE", "Planner", "StallGuard"]
 
 # Prompt tokens a step computes even when decoding sequences fill its budget (at most a quarter
 # of the budget): a long prompt arriving beside hundreds of streams still makes progress.
-MIN_PREFILL_SHARE = 32
+MIN_PREFILL_SHARE = 8
+
+
+class StallGuard:
+    """How many prompt rows a step may add beside decoding streams, from measured step times.
+
+    A CPU forward costs about the same per token row whether the row decodes or reads a prompt
+    (the GEMMs are compute-bound beyond a few rows), so a 256-row prompt chunk made each stream
+    beside it wait ~40 decode steps' worth for its next token. As Sarathi-Serve's stall-free
+    batching does, a step that mixes prompt rows into decoding is kept within ``factor`` times a
+    decode-only step: the prompt rows are what the measured cost per row buys in the rest. Step
+    times are exponential averages, so the limit follows the batch and the context as they
+    grow; until both are measured, and with ``factor`` 0, the token budget alone decides.
+    """
+
+    ALPHA = 0.3  # weight of the newest step in the averages
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.decode_s: float | None = None  # a step without prompt rows
+        self.row_s: float | None = None  # one prompt row's share of a step
+
+    def observe(self, seconds: float, decode_rows: int, prompt_rows: int) -> None:
+        """Learn from a step that took ``seconds``."""
+        if prompt_rows == 0:
+            self.decode_s = self._mix(self.decode_s, seconds)
+        elif decode_rows == 0 or self.decode_s is not None:
+            base = self.decode_s if decode_rows and self.decode_s is not None else 0.0
+            self.row_s = self._mix(self.row_s, max(seconds - base, 0.0) / prompt_rows)
+
+    def prompt_rows(self, room: int) -> int:
+        """Prompt rows for a step that also decodes: at most ``room``."""
+        if not self.factor or self.decode_s is None or not self.row_s:
+            return room
+        return min(room, int((self.factor - 1) * self.decode_s / self.row_s))
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.ALPHA * (new - old)
 
 
 class Planner:
     """Admission, block tables and step plans for one paged cache."""
 
     def __init__(
-        self, cache: PagedKVCache, *, max_batch: int, max_batched_tokens: int, root: bytes
+        self,
+        cache: PagedKVCache,
+        *,
+        max_batch: int,
+        max_batched_tokens: int,
+        root: bytes,
+        stall: float = 0.0,
     ) -> None:
         self.cache, self.pool, self.size = cache, cache.pool, cache.block_size
         self.max_batch, self.max_batched_tokens, self.root = max_batch, max_batched_tokens, root
@@ -51,6 +95,7 @@ class Planner:
         self._claims: dict[bytes, SequenceState] = {}  # full blocks being computed, by hash
         self._order = itertools.count()
         self.watermark = max(1, self.pool.num_blocks // 100)  # left free at admission
+        self.guard = StallGuard(stall)
         self.preemptions = 0
         self.on_preempt: Callable[[SequenceState], None] | None = None
 
@@ -104,7 +149,10 @@ class Planner:
             if seq in self._running and self._grow(seq, seq.kv_len + 1):
                 rows.append((seq, 1))
         floor = max(1, min(MIN_PREFILL_SHARE, self.max_batched_tokens // 4))
-        budget = max(self.max_batched_tokens - len(rows), floor)
+        budget = self.max_batched_tokens - len(rows)
+        if rows:  # streams decode in this step: keep it from stalling them
+            budget = self.guard.prompt_rows(budget)
+        budget = max(budget, floor)
         for seq in [s for s in self.active if s.to_compute > 1]:
             if budget <= 0:
                 break

@@ -62,12 +62,15 @@ class Scheduler:
         num_blocks: int,
         block_size: int = 16,
         max_batched_tokens: int = 256,
+        stall: float = 0.0,
         model_id: str = "",
         constrainer: Constrainer | None = None,
     ) -> None:
         """Allocate the cache (``num_blocks`` of ``block_size`` tokens); call ``start`` to run.
 
         ``max_batch`` caps running sequences, ``max_batched_tokens`` a step's new tokens;
+        ``stall`` bounds a step that reads prompts beside decoding streams to that many times a
+        decode-only step (``paging.StallGuard``; 0: the token budget alone);
         ``model_id`` salts the prefix cache's hashes; ``constrainer`` fills the token masks of
         sequences that carry a ``constraint``.
         """
@@ -94,6 +97,7 @@ class Scheduler:
             max_batch=max_batch,
             max_batched_tokens=max_batched_tokens,
             root=root_hash(model_id),
+            stall=stall,
         )
         self._cond = threading.Condition()
         self._stop = False
@@ -223,6 +227,8 @@ class Scheduler:
         sampled = [s for s, span in zip((r[0] for r in rows), spans, strict=True) if span.logits]
         pending = self._begin_masks(sampled)  # filled while the model runs
         logits = self.model(idx, batch, self.cache)  # (len(sampled), V)
+        decode_rows = sum(1 for _, n in rows if n == 1)
+        self.planner.guard.observe(time.perf_counter() - began, decode_rows, len(ids) - decode_rows)
         with self._cond:
             for seq, n in rows:
                 self.planner.commit(seq, n)

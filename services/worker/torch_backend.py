@@ -94,6 +94,7 @@ class TorchBackend:
         kv_cache_bytes: int = 0,
         block_size: int = 16,
         max_batched_tokens: int = 0,
+        prefill_stall: float = 0.0,
         stream_interval_s: float = 0.0,
     ) -> None:
         """Wrap a loaded model; ``make_decoder`` defaults to the real ``OutputDecoder``.
@@ -101,7 +102,9 @@ class TorchBackend:
         ``max_batch`` caps running sequences (0: 64 on the CPU, 256 on a GPU); the KV pool
         holds ``max_cached_tokens`` tokens when set, else ``kv_cache_bytes`` (0: derived,
         ``default_kv_bytes``) in blocks of ``block_size``; ``max_batched_tokens`` bounds the
-        new tokens of one step (0: 256 on the CPU, 2048 on a GPU); ``stream_interval_s`` is
+        new tokens of one step (0: 256 on the CPU, 2048 on a GPU), ``prefill_stall`` how much
+        longer than a decode step a step that also reads prompts may take (0: no bound);
+        ``stream_interval_s`` is
         the least time between two batches of one request that ``generate`` yields (steps in
         between are joined; 0: each as soon as it is taken).
         """
@@ -141,6 +144,7 @@ class TorchBackend:
             num_blocks=blocks,
             block_size=block_size,
             max_batched_tokens=max_batched_tokens or (2048 if gpu else 256),
+            stall=prefill_stall,
             model_id=loaded.card.name,
             constrainer=self.constrainer,
         )
@@ -326,6 +330,7 @@ class TorchBackend:
             kv_cache_bytes=settings.kv_cache_bytes,
             block_size=settings.kv_block_size,
             max_batched_tokens=settings.max_batched_tokens,
+            prefill_stall=settings.prefill_stall,
             stream_interval_s=settings.stream_interval_s,
         )
 

@@ -4,11 +4,12 @@ blocks computed once for prompts that arrive together, and preemption order. No 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.worker.block_pool import root_hash
 from services.worker.kv_cache import PagedKVCache
-from services.worker.paging import Planner
+from services.worker.paging import Planner, StallGuard
 from services.worker.sampling import SamplingConfig
 from services.worker.sequence import SequenceState
 from shared.jobs import Job
@@ -138,3 +139,31 @@ def test_a_dry_pool_preempts_the_latest_admitted_which_resumes_from_its_blocks()
     # b had filled three blocks; a took the tail one (evicted first), its prefix stayed cached
     assert len(tokens) == 25 and b.kv_len == 16
     assert b.tokens == tokens and b.cached == 0  # usage keeps the first admission's hits
+
+
+def test_the_stall_guard_buys_prompt_rows_with_what_a_decode_step_costs() -> None:
+    guard = StallGuard(2.5)
+    assert guard.prompt_rows(200) == 200  # nothing measured yet: the budget decides
+    guard.observe(0.5, 0, 100)  # a prompt-only step: 5 ms a row
+    guard.observe(0.02, 8, 0)  # eight streams decoding: 20 ms a step
+    assert guard.prompt_rows(200) == 6  # 1.5 x 20 ms buys six 5 ms rows
+    guard.observe(0.05, 8, 6)  # a mixed step: 30 ms for 6 rows beside the decode
+    assert guard.row_s == pytest.approx(0.005)  # (50 - 20) / 6 ms: the same cost a row
+    assert guard.prompt_rows(3) == 3
+    assert StallGuard(0).prompt_rows(200) == 200  # off
+
+
+def test_a_step_beside_decoding_streams_reads_what_the_guard_allows() -> None:
+    p = planner(512, budget=256)
+    p.guard = StallGuard(2.0)
+    p.guard.observe(0.4, 0, 100)  # 4 ms a prompt row
+    p.guard.observe(0.036, 2, 0)  # 36 ms a decode step: nine rows
+    a, b = seq([1, 2, 3]), seq([4, 5, 6])
+    p.pending.extend([a, b])
+    step(p)
+    long = seq(list(range(100, 300)))
+    p.pending.append(long)
+    assert dict((id(s), n) for s, n in step(p))[id(long)] == 9
+    p.release(a)
+    p.release(b)
+    assert dict((id(s), n) for s, n in step(p))[id(long)] == 191  # alone: the whole budget
