@@ -387,9 +387,9 @@ class Slots:
         ids = torch.tensor(self.tables[slot], dtype=torch.long)
 
         def gather(c: torch.Tensor) -> torch.Tensor:
-            blocks = c[:, ids]  # (L, W, KV, BS, hd)
-            L, W, KV, BS, hd = blocks.shape
-            return blocks.permute(0, 2, 1, 3, 4).reshape(L, KV, W * BS, hd)[:, :, :length]
+            blocks = c[:, :, ids]  # (L, KV, W, BS, hd)
+            L, KV, W, BS, hd = blocks.shape
+            return blocks.reshape(L, KV, W * BS, hd)[:, :, :length]
 
         return gather(self.cache.k), gather(self.cache.v)
 

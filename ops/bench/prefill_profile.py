@@ -102,7 +102,7 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
         norms = [0 if t is None else t.data_ptr() for t in (blk.q_norm, blk.k_norm)]
         k.lib.sl_attention(
             tokens, H, KV, hd, qkv.data_ptr(), *rope, pos.data_ptr(), seq.data_ptr(),
-            tables.data_ptr(), tables.shape[1], BLOCK, cache.k[i].data_ptr(),
+            tables.data_ptr(), tables.shape[1], BLOCK, cache.num_blocks, cache.k[i].data_ptr(),
             cache.v[i].data_ptr(), *norms, eps, attended.data_ptr(), scores.data_ptr(), tokens,
             threads,
         )  # fmt: skip

@@ -1,8 +1,9 @@
 """The paged KV cache and the per-forward attention batch description.
 
-Owns cache memory and its layout: ``[layers, blocks, kv_heads, block_size, head_dim]`` for keys
+Owns cache memory and its layout: ``[layers, kv_heads, blocks, block_size, head_dim]`` for keys
 and values, one pool of fixed-size blocks shared by every sequence (``block_pool.BlockPool``
-decides which block holds what). A sequence's keys and values live in the blocks its block
+decides which block holds what). Heads are outside blocks so a head's keys in consecutive blocks
+are one contiguous run, which a decode step streams through. A sequence's keys and values live in the blocks its block
 table lists, position ``p`` in block ``table[p // block_size]`` at offset ``p % block_size``;
 sequences whose prompts share a prefix share its blocks read-only.
 
@@ -113,7 +114,7 @@ class PagedKVCache:
         self.layers, self.num_blocks, self.block_size = layers, num_blocks, block_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self.zeroed = zeroed
-        shape = (layers, num_blocks, kv_heads, block_size, head_dim)
+        shape = (layers, kv_heads, num_blocks, block_size, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks, block_size)
@@ -134,8 +135,8 @@ class PagedKVCache:
         where the model needs it."""
         block = self.pool.allocate()
         if self.zeroed and not self._touched[block]:
-            self.k[:, block].zero_()
-            self.v[:, block].zero_()
+            self.k[:, :, block].zero_()
+            self.v[:, :, block].zero_()
         self._touched[block] = True
         return block
 
@@ -145,8 +146,8 @@ class PagedKVCache:
         pos = batch.positions
         blocks = batch.tables[batch.seq_index, pos // self.block_size].long()
         offsets = pos % self.block_size
-        self.k[layer][blocks, :, offsets] = k.to(self.dtype)
-        self.v[layer][blocks, :, offsets] = v.to(self.dtype)
+        self.k[layer][:, blocks, offsets] = k.transpose(0, 1).to(self.dtype)  # (KV, n, hd)
+        self.v[layer][:, blocks, offsets] = v.transpose(0, 1).to(self.dtype)
 
     def read(
         self, layer: int, tables: torch.Tensor, length: int
@@ -159,8 +160,8 @@ class PagedKVCache:
         S = ids.shape[0]
 
         def gather(cache: torch.Tensor) -> torch.Tensor:
-            blocks = cache[layer][ids]  # (S, W, KV, BS, hd)
-            blocks = blocks.permute(0, 2, 1, 3, 4).reshape(S, self.kv_heads, -1, self.head_dim)
+            blocks = cache[layer][:, ids]  # (KV, S, W, BS, hd)
+            blocks = blocks.transpose(0, 1).reshape(S, self.kv_heads, -1, self.head_dim)
             return blocks[:, :, :length]
 
         return gather(self.k), gather(self.v)

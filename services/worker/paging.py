@@ -3,9 +3,9 @@
 Owns admission by free blocks, each sequence's block table (prefix-cache hits, blocks allocated
 as its tokens need them, full blocks made known to the cache), preemption when the pool runs
 dry, and the plan of one step: every decoding sequence's next token, then prompt chunks up to
-the step's token budget, fewer while streams decode (``StallGuard``). Pure bookkeeping over
-``kv_cache.PagedKVCache``'s pool: no forward, no sampling, no threads (the scheduler calls it
-under its lock), so it is unit-tested alone.
+the step's token budget, a long prompt's thinner while streams decode (``StallGuard``). Pure
+bookkeeping over ``kv_cache.PagedKVCache``'s pool: no forward, no sampling, no threads (the
+scheduler calls it under its lock), so it is unit-tested alone.
 
 Admission is in arrival order: the head of the queue waits until the pool can hold its whole
 known token list, beside what running sequences still need for theirs and a small watermark,
@@ -39,7 +39,8 @@ MIN_PREFILL_SHARE = 8
 
 
 class StallGuard:
-    """How many prompt rows a step may add beside decoding streams, from measured step times.
+    """How many rows of a long prompt a step may add beside decoding streams, from measured
+    step times.
 
     A CPU forward costs about the same per token row whether the row decodes or reads a prompt
     (the GEMMs are compute-bound beyond a few rows), so a 256-row prompt chunk made each stream
@@ -48,6 +49,11 @@ class StallGuard:
     decode-only step: the prompt rows are what the measured cost per row buys in the rest. Step
     times are exponential averages, so the limit follows the batch and the context as they
     grow; until both are measured, and with ``factor`` 0, the token budget alone decides.
+
+    Only a prompt with more left than one step's budget is spread: it would stall the streams
+    step after step. One that fits (an agent's next turn, a few hundred new tokens past its
+    cached prefix) is read in one step, which delays each stream's next token once, and is worth
+    that for its own first token.
     """
 
     ALPHA = 0.3  # weight of the newest step in the averages
@@ -149,10 +155,10 @@ class Planner:
             if seq in self._running and self._grow(seq, seq.kv_len + 1):
                 rows.append((seq, 1))
         floor = max(1, min(MIN_PREFILL_SHARE, self.max_batched_tokens // 4))
-        budget = self.max_batched_tokens - len(rows)
-        if rows:  # streams decode in this step: keep it from stalling them
-            budget = self.guard.prompt_rows(budget)
-        budget = max(budget, floor)
+        budget = max(self.max_batched_tokens - len(rows), floor)
+        # streams decode in this step: a prompt too long for one step is spread thin (else it
+        # would stall them step after step); one that fits is read at once, a single late token
+        spread = max(self.guard.prompt_rows(budget), floor) if rows else budget
         for seq in [s for s in self.active if s.to_compute > 1]:
             if budget <= 0:
                 break
@@ -163,13 +169,16 @@ class Planner:
             owner = self._claims.get(seq.hashes[nxt]) if nxt < len(seq.hashes) else None
             if owner is not None and owner is not seq and owner in self._running:
                 continue  # another sequence is computing this very block: take it next step
-            count = min(seq.to_compute, budget)
+            long = seq.to_compute > self.max_batched_tokens
+            count = min(seq.to_compute, spread if long else budget)
+            if count <= 0:
+                continue
             if not self._grow(seq, seq.kv_len + count):
                 continue
             for j in range(nxt, min(len(seq.hashes), -(-(seq.kv_len + count) // self.size))):
                 self._claims.setdefault(seq.hashes[j], seq)
             rows.append((seq, count))
-            budget -= count
+            budget, spread = budget - count, spread - count
         return [(s, n) for s, n in rows if s in self._running]  # a later one may have preempted
 
     def _extend(self, seq: SequenceState) -> None:

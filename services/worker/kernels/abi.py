@@ -42,10 +42,11 @@ SIGNATURES: dict[str, list[type]] = {
     "sl_gemm_q8_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, c_int, c_int],
     "sl_gemm_q4_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
     "sl_linear_forward": [_P, _I, _P, _P, _P, _P, c_int, c_int],
-    # n, H, KV, hd, qkv, cos, sin, pos, seq, tables, table_stride, block_size, kc, vc, q_norm,
-    # k_norm, eps, out, scores, span, nthreads
+    # n, H, KV, hd, qkv, cos, sin, pos, seq, tables, table_stride, block_size, num_blocks, kc,
+    # vc, q_norm, k_norm, eps, out, scores, span, nthreads
     "sl_attention": [
-        *(_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _F, _P, _P, _I, c_int)
+        *(_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _I),
+        c_int,
     ],
     # model, n, x, pos, seq, tables, table_stride, block_size, kc, vc, num_blocks, span, scratch,
     # logits, logit_rows, n_logits, nthreads

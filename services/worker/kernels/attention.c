@@ -73,7 +73,7 @@ static void norm_rope(float *v, int64_t hd, const float *norm, float eps, const 
  * the halves per block (all kv heads), where this head's keys sit in a block, the block size. */
 typedef struct {
     const int32_t *table;
-    int64_t block_stride, head, size;
+    int64_t block_stride, head, size; /* halves from one block to the next; the kv head's base */
 } pages;
 
 /* the first key (value) of block b of the sequence: size keys of hd halves follow, contiguous */
@@ -183,10 +183,11 @@ static void attend(const float *q, const uint16_t *kc, const uint16_t *vc, const
 void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
                     const float *cos_table, const float *sin_table, const int64_t *pos,
                     const int64_t *seq, const int32_t *tables, int64_t table_stride,
-                    int64_t block_size, uint16_t *kc, uint16_t *vc, const float *q_norm,
-                    const float *k_norm, float eps, float *out, float *scores, int64_t span) {
+                    int64_t block_size, int64_t num_blocks, uint16_t *kc, uint16_t *vc,
+                    const float *q_norm, const float *k_norm, float eps, float *out, float *scores,
+                    int64_t span) {
     const int64_t width = (H + 2 * KV) * hd, G = H / KV, tasks = n * KV;
-    const int64_t run = block_size * hd, block_stride = KV * run;
+    const int64_t run = block_size * hd, head_stride = num_blocks * run;
     const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
@@ -197,7 +198,7 @@ void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
         float *key = row + (H + k) * hd, *val = row + (H + KV + k) * hd;
         norm_rope(key, hd, k_norm, eps, c, s);
         const int64_t block = tables[seq[r] * table_stride + at_pos / block_size];
-        const int64_t at = block * block_stride + k * run + (at_pos % block_size) * hd;
+        const int64_t at = k * head_stride + block * run + (at_pos % block_size) * hd;
         store_halves(kc + at, key, hd);
         store_halves(vc + at, val, hd);
     }
@@ -208,7 +209,7 @@ void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t r = task / KV, k = task % KV;
-            const pages pg = {tables + seq[r] * table_stride, block_stride, k * run, block_size};
+            const pages pg = {tables + seq[r] * table_stride, run, k * head_stride, block_size};
             for (int64_t g = 0; g < G; g++) {
                 const int64_t h = k * G + g;
                 attend(qkv + r * width + h * hd, kc, vc, &pg, pos[r] + 1, hd, scale, p,
@@ -222,7 +223,7 @@ void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < n * H; task++) {
             const int64_t r = task / H, h = task % H;
-            const pages pg = {tables + seq[r] * table_stride, block_stride, (h / G) * run,
+            const pages pg = {tables + seq[r] * table_stride, run, (h / G) * head_stride,
                               block_size};
             attend(qkv + r * width + h * hd, kc, vc, &pg, pos[r] + 1, hd, scale, p,
                    out + r * H * hd + h * hd);
@@ -232,10 +233,11 @@ void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
 
 void sl_attention(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv, const float *cos_table,
                   const float *sin_table, const int64_t *pos, const int64_t *seq,
-                  const int32_t *tables, int64_t table_stride, int64_t block_size, uint16_t *kc,
-                  uint16_t *vc, const float *q_norm, const float *k_norm, float eps, float *out,
-                  float *scores, int64_t span, int nthreads) {
+                  const int32_t *tables, int64_t table_stride, int64_t block_size,
+                  int64_t num_blocks, uint16_t *kc, uint16_t *vc, const float *q_norm,
+                  const float *k_norm, float eps, float *out, float *scores, int64_t span,
+                  int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     attention_body(n, H, KV, hd, qkv, cos_table, sin_table, pos, seq, tables, table_stride,
-                   block_size, kc, vc, q_norm, k_norm, eps, out, scores, span);
+                   block_size, num_blocks, kc, vc, q_norm, k_norm, eps, out, scores, span);
 }

@@ -26,8 +26,8 @@ void sl_forward(const sl_model *m, int64_t n, float *x, const int64_t *pos, cons
             rmsnorm_quantize_body(x, L->input_norm, m->eps, n, C, w->xq, w->xd, w->xs, w->tmp);
             linear_body(&L->qkv, n, w->xq, w->xd, w->xs, w->qkv, 0);
             attention_body(n, H, KV, hd, w->qkv, m->cos, m->sin, pos, seq, tables, table_stride,
-                           block_size, kc + i * layer_elems, vc + i * layer_elems, L->q_norm,
-                           L->k_norm, m->eps, w->attended, w->scores, span);
+                           block_size, num_blocks, kc + i * layer_elems, vc + i * layer_elems,
+                           L->q_norm, L->k_norm, m->eps, w->attended, w->scores, span);
             quantize_body(w->attended, n, H * hd, w->xq, w->xd, w->xs);
             linear_body(&L->o, n, w->xq, w->xd, w->xs, x, 1);
             rmsnorm_quantize_body(x, L->post_norm, m->eps, n, C, w->xq, w->xd, w->xs, w->tmp);

@@ -236,9 +236,9 @@ SL_INTERNAL int gemm_on_amx(int kind, int64_t M, int64_t N, int64_t K, const int
 SL_INTERNAL void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
                                 const float *cos_table, const float *sin_table, const int64_t *pos,
                                 const int64_t *seq, const int32_t *tables, int64_t table_stride,
-                                int64_t block_size, uint16_t *kc, uint16_t *vc, const float *q_norm,
-                                const float *k_norm, float eps, float *out, float *scores,
-                                int64_t span);
+                                int64_t block_size, int64_t num_blocks, uint16_t *kc, uint16_t *vc,
+                                const float *q_norm, const float *k_norm, float eps, float *out,
+                                float *scores, int64_t span);
 /* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
 SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                              const float *xs, float *y, int accumulate);

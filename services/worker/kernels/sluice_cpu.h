@@ -20,10 +20,13 @@
  *                their fifth bits: wq uint8 [N/8, nb, 160], wd and wm float [N/8, nb, 8]; the
  *                5-bit types' layout wherever N % 8 == 0 (matmul.c documents the bytes); wm
  *                NULL: Q5_0's minimums, -16 wd, implied as Q4_0's -8 wd are
- *   KV cache     one layer: [num_blocks, kv_heads, block_size, head_dim] IEEE halves (uint16),
+ *   KV cache     one layer: [kv_heads, num_blocks, block_size, head_dim] IEEE halves (uint16),
  *                paged: a sequence's block table (int32 block ids) lists its blocks in position
  *                order, so its key and value at position p live in block table[p / block_size]
- *                at offset p % block_size; one kv head's keys in a block are contiguous. Halves,
+ *                at offset p % block_size. Heads outermost: a kv head's keys in consecutive
+ *                blocks are one contiguous run, which decode streams through as it did one
+ *                slot's (with the head inside each block, a 3,500-token decode step ran 2x
+ *                slower: 2 KB runs 6 KB apart defeat the prefetchers). Halves,
  *                as llama.cpp keeps them: one stream's decode reads every cached key and value
  *                once a token, at a few hundred tokens a tenth of the bytes the weights take.
  *                Blocks let sequences of any length share one pool and share a common prefix
@@ -195,9 +198,10 @@ void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const fl
  * logits do not depend on the path, the batch, the chunk or the blocks that computed it. */
 void sl_attention(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv, const float *cos_table,
                   const float *sin_table, const int64_t *pos, const int64_t *seq,
-                  const int32_t *tables, int64_t table_stride, int64_t block_size, uint16_t *kc,
-                  uint16_t *vc, const float *q_norm, const float *k_norm, float eps, float *out,
-                  float *scores, int64_t span, int nthreads);
+                  const int32_t *tables, int64_t table_stride, int64_t block_size,
+                  int64_t num_blocks, uint16_t *kc, uint16_t *vc, const float *q_norm,
+                  const float *k_norm, float eps, float *out, float *scores, int64_t span,
+                  int nthreads);
 void sl_forward(const sl_model *m, int64_t n, float *x, const int64_t *pos, const int64_t *seq,
                 const int32_t *tables, int64_t table_stride, int64_t block_size, uint16_t *kc,
                 uint16_t *vc, int64_t num_blocks, int64_t span, const sl_scratch *w, float *logits,

@@ -54,9 +54,10 @@ def _norms(hd: int, eps: float, g: torch.Generator) -> tuple[RMSNorm, RMSNorm]:
 def _pool(num_blocks: int, bs: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
     """An empty pool of blocks: keys 1e4 and values NaN, so a read of a place no sequence wrote
     (past a position, an unused block) wrecks the output instead of passing unnoticed."""
-    kc = torch.full((num_blocks, KV, bs, hd), 1e4, dtype=torch.half)
-    vc = torch.full((num_blocks, KV, bs, hd), float("nan"), dtype=torch.half)
-    return kc, vc
+    kc = torch.full((KV, num_blocks, bs, hd), 1e4, dtype=torch.half)
+    vc = torch.full((KV, num_blocks, bs, hd), float("nan"), dtype=torch.half)
+    # the kernels' layout, heads outermost, seen block first for indexing by block
+    return kc.transpose(0, 1), vc.transpose(0, 1)
 
 
 def _tables(blocks: list[list[int]], stride: int, unused: int) -> torch.Tensor:
@@ -92,7 +93,8 @@ def _attention(
     scores = torch.full((threads * span,), float("nan"))  # the softmax scratch, per thread
     k.lib.sl_attention(
         n, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_t.data_ptr(),
-        seq_t.data_ptr(), tables.data_ptr(), tables.shape[1], kc.shape[2], kc.data_ptr(),
+        seq_t.data_ptr(), tables.data_ptr(), tables.shape[1], kc.shape[2], kc.shape[0],
+        kc.data_ptr(),
         vc.data_ptr(), 0 if q_norm is None else q_norm.weight.data_ptr(),
         0 if k_norm is None else k_norm.weight.data_ptr(), eps, out.data_ptr(),
         scores.data_ptr(), span, threads,

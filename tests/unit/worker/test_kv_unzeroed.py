@@ -90,7 +90,7 @@ def test_a_fresh_block_is_zero_filled_once_and_only_in_a_zeroed_cache() -> None:
         return PagedKVCache(layers=2, num_blocks=3, block_size=BLOCK, kv_heads=1, head_dim=4,
                             dtype=torch.float32, device=CPU, zeroed=zeroed)  # fmt: skip
 
-    written = torch.randn(2, 1, BLOCK, 4)
+    written = torch.randn(2, 1, BLOCK, 4)  # (layers, kv heads, block size, head dim)
     for zeroed in (True, False):
         cache = pool(zeroed)
         cache.k.fill_(float("nan"))  # memory nobody wrote
@@ -98,17 +98,19 @@ def test_a_fresh_block_is_zero_filled_once_and_only_in_a_zeroed_cache() -> None:
         first = cache.allocate()
         for kv in (cache.k, cache.v):
             if zeroed:
-                assert not kv[:, first].any()
+                assert not kv[:, :, first].any()
             else:
-                assert kv[:, first].isnan().all()
-            assert kv[:, [b for b in range(3) if b != first]].isnan().all()  # the others: untouched
-        cache.k[:, first] = written
-        cache.v[:, first] = -written
+                assert kv[:, :, first].isnan().all()
+            others = [b for b in range(3) if b != first]
+            assert kv[:, :, others].isnan().all()  # the others: untouched
+        cache.k[:, :, first] = written
+        cache.v[:, :, first] = -written
         second = cache.allocate()  # another block leaves what was written
-        assert second != first and bool(cache.k[:, second].isnan().all()) != zeroed
+        assert second != first and bool(cache.k[:, :, second].isnan().all()) != zeroed
         cache.pool.release([first])
         assert cache.allocate() == first  # handed out again: kept as written, not re-zeroed
-        assert torch.equal(cache.k[:, first], written) and torch.equal(cache.v[:, first], -written)
+        assert torch.equal(cache.k[:, :, first], written)
+        assert torch.equal(cache.v[:, :, first], -written)
 
 
 def test_the_scheduler_zeroes_the_cache_only_for_torch_attention(tmp_path: Path) -> None:

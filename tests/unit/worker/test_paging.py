@@ -154,16 +154,19 @@ def test_the_stall_guard_buys_prompt_rows_with_what_a_decode_step_costs() -> Non
 
 
 def test_a_step_beside_decoding_streams_reads_what_the_guard_allows() -> None:
-    p = planner(512, budget=256)
+    p = planner(512, budget=257)
     p.guard = StallGuard(2.0)
     p.guard.observe(0.4, 0, 100)  # 4 ms a prompt row
     p.guard.observe(0.036, 2, 0)  # 36 ms a decode step: nine rows
     a, b = seq([1, 2, 3]), seq([4, 5, 6])
     p.pending.extend([a, b])
     step(p)
-    long = seq(list(range(100, 300)))
-    p.pending.append(long)
-    assert dict((id(s), n) for s, n in step(p))[id(long)] == 9
-    p.release(a)
-    p.release(b)
-    assert dict((id(s), n) for s, n in step(p))[id(long)] == 191  # alone: the whole budget
+    long, short = seq(list(range(100, 400))), seq(list(range(500, 600)))
+    p.pending.extend([long, short])
+    got = {id(s): n for s, n in step(p)}
+    assert got[id(long)] == 9  # longer than the budget: spread
+    assert got[id(short)] == 100  # fits one step: read at once
+    assert {id(s): n for s, n in step(p)}[id(long)] == 9  # short decodes now: still spread
+    for other in (a, b, short):
+        p.release(other)
+    assert step(p) == [(long, 257)]  # nothing decodes: the whole budget

@@ -120,8 +120,8 @@ def test_quantized_llama_tracks_the_dense_model(k: Kernels, arch: str) -> None:
         for slot, end in zip(slots, starts, strict=True):
             for p in range(end):
                 written[c.tables[slot][p // BLOCK], p % BLOCK] = True
-        for kv in (c.cache.k, c.cache.v):  # (layers, blocks, KV, BS, hd)
-            by_position = kv.permute(1, 3, 0, 2, 4)  # (blocks, BS, layers, KV, hd)
+        for kv in (c.cache.k, c.cache.v):  # (layers, KV, blocks, BS, hd)
+            by_position = kv.permute(2, 3, 0, 1, 4)  # (blocks, BS, layers, KV, hd)
             assert by_position[written].any(-1).all()  # every written key and value vector
             assert not by_position[~written].any()
 
