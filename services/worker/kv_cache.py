@@ -3,9 +3,9 @@
 Owns cache memory and its layout: ``[layers, kv_heads, blocks, block_size, head_dim]`` for keys
 and values, one pool of fixed-size blocks shared by every sequence (``block_pool.BlockPool``
 decides which block holds what). Heads are outside blocks so a head's keys in consecutive blocks
-are one contiguous run, which a decode step streams through. A sequence's keys and values live in the blocks its block
-table lists, position ``p`` in block ``table[p // block_size]`` at offset ``p % block_size``;
-sequences whose prompts share a prefix share its blocks read-only.
+are one contiguous run, which a decode step streams through. A sequence's keys and values live
+in the blocks its block table lists, position ``p`` in block ``table[p // block_size]`` at offset
+``p % block_size``; sequences whose prompts share a prefix share its blocks read-only.
 
 The pool is reserved at start-up (``torch.empty``: no page is touched until a block is first
 written, so resident memory follows the blocks in use, not the reservation).
