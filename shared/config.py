@@ -85,7 +85,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_cached_tokens: int = 0
     kv_block_size: int = 16  # SLUICE_KV_BLOCK_SIZE: tokens per KV block (a multiple of 8)
     # SLUICE_MAX_BATCHED_TOKENS: new tokens one forward step computes: every decoding
-    # sequence's next token, then prompt chunks in what is left (0 = 256 on the CPU, 2048 on
+    # sequence's next token, then prompt chunks in what is left (0 = 512 on the CPU, 2048 on
     # a GPU). Smaller keeps streams smooth while long prompts arrive; larger reads prompts
     # faster.
     max_batched_tokens: int = 0

@@ -102,7 +102,7 @@ class TorchBackend:
         ``max_batch`` caps running sequences (0: 64 on the CPU, 256 on a GPU); the KV pool
         holds ``max_cached_tokens`` tokens when set, else ``kv_cache_bytes`` (0: derived,
         ``default_kv_bytes``) in blocks of ``block_size``; ``max_batched_tokens`` bounds the
-        new tokens of one step (0: 256 on the CPU, 2048 on a GPU), ``prefill_stall`` how much
+        new tokens of one step (0: 512 on the CPU, 2048 on a GPU), ``prefill_stall`` how much
         longer than a decode step a step that also reads prompts may take (0: no bound);
         ``stream_interval_s`` is
         the least time between two batches of one request that ``generate`` yields (steps in
@@ -143,7 +143,7 @@ class TorchBackend:
             make_decoder=make_decoder or self._output_decoder,
             num_blocks=blocks,
             block_size=block_size,
-            max_batched_tokens=max_batched_tokens or (2048 if gpu else 256),
+            max_batched_tokens=max_batched_tokens or (2048 if gpu else 512),
             stall=prefill_stall,
             model_id=loaded.card.name,
             constrainer=self.constrainer,

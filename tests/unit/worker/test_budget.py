@@ -108,7 +108,7 @@ def test_settings_and_derived_pool() -> None:
 
 async def test_defaults_fit_the_hardware(tiny_dir: Path) -> None:
     b = TorchBackend(load_model(str(tiny_dir)))
-    assert b.max_batch == 64 and b.scheduler.max_batched_tokens == 256  # the CPU's defaults
+    assert b.max_batch == 64 and b.scheduler.max_batched_tokens == 512  # the CPU's defaults
     assert b.scheduler.max_cached_tokens >= 256  # at least the tiny model's context
 
 
