@@ -224,7 +224,7 @@ class Scheduler:
         batch = build_batch(spans, self.cache.block_size, self.device)
         ids = [t for s, n in rows for t in s.tokens[s.kv_len : s.kv_len + n]]
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-        sampled = [s for s, span in zip((r[0] for r in rows), spans, strict=True) if span.logits]
+        sampled = [s for (s, _), span in zip(rows, spans, strict=True) if span.logits]
         pending = self._begin_masks(sampled)  # filled while the model runs
         logits = self.model(idx, batch, self.cache)  # (len(sampled), V)
         decode_rows = sum(1 for _, n in rows if n == 1)
