@@ -61,7 +61,7 @@ class BlockPool:
         self.by_hash: dict[bytes, int] = {}  # full blocks known by content (held or in the LRU)
         self._plain = list(range(num_blocks))  # a min-heap of free blocks holding nothing known
         self._lru: OrderedDict[int, None] = OrderedDict()  # free but cached, oldest first
-        self.evictions = 0  # cached blocks reused for other content (metrics)
+        self.evictions = 0  # cached blocks reused for other content
 
     @property
     def free(self) -> int:

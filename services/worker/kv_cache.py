@@ -16,12 +16,13 @@ Knows nothing about models beyond shapes, nor about sampling or requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from services.worker.block_pool import BlockPool
 
-__all__ = ["AttentionBatch", "PagedKVCache", "SeqRows", "build_batch"]
+__all__ = ["AttentionBatch", "DecodeRows", "PagedKVCache", "SeqRows", "build_batch"]
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,30 @@ class AttentionBatch:
     block_size: int
     firsts: list[int]  # the row of each sequence's first new token
 
-    @property
-    def rows(self) -> int:
-        return int(self.positions.numel())
+    @cached_property
+    def decoding(self) -> DecodeRows | None:
+        """The sequences with one new row, gathered once per forward for torch's attention
+        (which attends to them together); None when there are none."""
+        single = [i for i, s in enumerate(self.seqs) if s.count == 1]
+        if not single:
+            return None
+        rows = self.logit_rows.new_tensor([self.firsts[i] for i in single])
+        span = max(self.seqs[i].start + 1 for i in single)
+        keys = torch.arange(span, device=self.positions.device)
+        return DecodeRows(
+            rows, self.tables[single], span, keys[None, :] <= self.positions[rows, None]
+        )
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """``AttentionBatch.decoding``: the rows, their block tables, the keys they read and which of
+    those each may attend to."""
+
+    rows: torch.Tensor  # (b,) int64
+    tables: torch.Tensor  # (b, W) int32
+    span: int  # keys read: the longest of them
+    mask: torch.Tensor  # (b, span) bool
 
 
 def build_batch(seqs: list[SeqRows], block_size: int, device: torch.device) -> AttentionBatch:

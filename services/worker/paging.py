@@ -23,7 +23,6 @@ then takes the block from the cache.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable
 
@@ -99,7 +98,6 @@ class Planner:
         self.active: list[SequenceState] = []  # admission order
         self._running: set[SequenceState] = set()
         self._claims: dict[bytes, SequenceState] = {}  # full blocks being computed, by hash
-        self._order = itertools.count()
         self.watermark = max(1, self.pool.num_blocks // 100)  # left free at admission
         self.guard = StallGuard(stall)
         self.preemptions = 0
@@ -133,7 +131,6 @@ class Planner:
             seq.registered = len(hits)
             if not seq.preempted:  # what the usage reports: the first admission's hits
                 seq.cached = min(seq.kv_len, len(seq.prompt))
-            seq.admitted = next(self._order)
             self.active.append(seq)
             self._running.add(seq)
             admitted.append(seq)

@@ -60,7 +60,6 @@ class SequenceState:
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full token blocks
     registered: int = 0  # leading blocks already known to the prefix cache
     cached: int = 0  # prompt tokens served from the prefix cache at first admission
-    admitted: int = -1  # admission order (the latest admitted is preempted first)
     preempted: int = 0  # times its blocks were taken back
     generated: int = 0
     decoder: DecoderLike | None = None

@@ -189,16 +189,13 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         cache.write(self.layer, k, v, batch)
         y = torch.empty_like(q)  # (n, H, hd)
-        single = [i for i, s in enumerate(batch.seqs) if s.count == 1]
-        if single:
-            rows = batch.logit_rows.new_tensor([batch.firsts[i] for i in single])
-            span = max(batch.seqs[i].start + 1 for i in single)
-            keys, values = cache.read(self.layer, batch.tables[single], span)  # (b, KV, S, hd)
-            seen = torch.arange(span, device=q.device)[None, :] <= batch.positions[rows, None]
+        group = batch.decoding  # built by the first layer, reused by the others
+        if group is not None:
+            keys, values = cache.read(self.layer, group.tables, group.span)  # (b, KV, S, hd)
             out = grouped_decode_attention(
-                q[rows].unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), seen
+                q[group.rows].unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), group.mask
             )  # (b, H, 1, hd)
-            y[rows] = out[:, :, 0]
+            y[group.rows] = out[:, :, 0]
         for i, s in enumerate(batch.seqs):
             if s.count == 1:
                 continue
