@@ -1,4 +1,4 @@
-"""Tiny models for worker tests: random HF-layout weights, a GGUF writer, cache helpers.
+"""Tiny models for worker tests: random HF-layout weights, a GGUF writer, kernel builds.
 
 * ``tiny_tokenizer()``: a real byte-level BPE ``tokenizers.Tokenizer`` trained in milliseconds on a
   small corpus, whose added tokens include the ChatML, reasoning and tool markers.
@@ -6,9 +6,10 @@
   directory (config.json, safetensors, tokenizer files, generation_config.json).
 * ``write_gguf(path, ...)``: the same weights as GGUF via ``gguf.GGUFWriter`` (F32/F16/Q8_0/...),
   with llama.cpp's q/k permutation for the ``llama`` architecture and tokenizer metadata.
-* ``model_cache`` / ``prefill_logits``: a KV cache shaped for a model, one full-sequence forward.
 
-The forced-sequence model double lives in ``tests/forced_model.py``.
+Running one outside the engine (a paged cache shaped for it, fixed slots, a whole-prompt
+forward) is ``tests/model_runs.py``; the forced-sequence model double is
+``tests/forced_model.py``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from torch import nn
 
 from services.worker import kernels
 from services.worker.kernels import Kernels
-from services.worker.kv_cache import PagedKVCache, SeqRows, build_batch
 from services.worker.models import MODELS
 from services.worker.models.llama import LlamaModel
 
@@ -319,96 +318,6 @@ def quantize_q4_k(a: np.ndarray) -> np.ndarray:
     qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(n, k // 256, 128)
     halves = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)]
     return np.concatenate([*halves, scales, qs], -1).reshape(n, -1)
-
-
-CPU = torch.device("cpu")
-
-
-def model_cache(
-    model: nn.Module,
-    *,
-    blocks: int = 64,
-    block_size: int = 16,
-    dtype: torch.dtype | None = None,
-    device: torch.device = CPU,
-) -> PagedKVCache:
-    """An empty paged KV cache shaped for ``model`` (a ``LlamaModel`` or anything with its
-    config), of the model's ``kv_dtype`` (fp32 where it names none) unless ``dtype`` is given."""
-    c = model.config
-    dtype = dtype or getattr(model, "kv_dtype", torch.float32)
-    return PagedKVCache(
-        layers=c.num_layers,
-        num_blocks=blocks,
-        block_size=block_size,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        dtype=dtype,
-        device=device,
-    )
-
-
-def rows_for(
-    cache: PagedKVCache, table: list[int], start: int, count: int, logits: int = 1, key: int = 0
-) -> SeqRows:
-    """``SeqRows`` for ``count`` tokens after ``start``, allocating blocks onto ``table``."""
-    while len(table) * cache.block_size < start + count:
-        table.append(cache.allocate())
-    return SeqRows(key, list(table), start, count, logits)
-
-
-class Slots:
-    """Sequences by slot number over a paged cache, for tests written against fixed slots:
-    slot ``s`` keeps its own block table, allocated as its tokens need blocks."""
-
-    def __init__(self, cache: PagedKVCache, slots: int) -> None:
-        self.cache = cache
-        self.tables: list[list[int]] = [[] for _ in range(slots)]
-
-    def forward(
-        self,
-        model: nn.Module,
-        ids: torch.Tensor,
-        slots: list[int],
-        starts: list[int],
-        n_logits: int = 1,
-    ) -> torch.Tensor:
-        """Run ``ids`` (B, T): row b is T tokens of slot ``slots[b]`` after ``starts[b]``;
-        logits (B, n_logits, V) of each row's last ``n_logits`` tokens."""
-        B, T = ids.shape
-        seqs = [
-            rows_for(self.cache, self.tables[slot], start, T, n_logits, key=slot)
-            for slot, start in zip(slots, starts, strict=True)
-        ]
-        batch = build_batch(seqs, self.cache.block_size, ids.device)
-        return model(ids.reshape(-1), batch, self.cache).view(B, n_logits, -1)
-
-    def kv(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot ``slot``'s keys and values (layers, KV, length, hd), gathered from its blocks."""
-        ids = torch.tensor(self.tables[slot], dtype=torch.long)
-
-        def gather(c: torch.Tensor) -> torch.Tensor:
-            blocks = c[:, :, ids]  # (L, KV, W, BS, hd)
-            L, KV, W, BS, hd = blocks.shape
-            return blocks.reshape(L, KV, W * BS, hd)[:, :, :length]
-
-        return gather(self.cache.k), gather(self.cache.v)
-
-
-def prefill_logits(
-    model: nn.Module,
-    ids: list[int],
-    *,
-    dtype: torch.dtype | None = None,
-    device: torch.device = CPU,
-    cache: PagedKVCache | None = None,
-) -> torch.Tensor:
-    """Logits (T, V) at every position of one full-sequence forward (on a new cache of
-    ``dtype``, by default the model's, unless ``cache`` is given)."""
-    cache = cache or model_cache(model, dtype=dtype, device=device, blocks=len(ids) // 16 + 1)
-    spans = [rows_for(cache, [], 0, len(ids), logits=len(ids))]
-    batch = build_batch(spans, cache.block_size, device)
-    with torch.inference_mode():
-        return model(torch.tensor(ids, device=device), batch, cache)
 
 
 def gen(seed: int) -> torch.Generator:

@@ -21,7 +21,8 @@ from shared.events import TextDelta
 from shared.jobs import GenerateRequest, Message, SamplingParams, TextPart
 from tests.invariants import generated_token_ids
 from tests.job_factory import run
-from tests.worker_models import ARCH_MODEL_TYPE, prefill_logits, write_hf_model
+from tests.model_runs import prefill_logits
+from tests.worker_models import ARCH_MODEL_TYPE, write_hf_model
 
 pytestmark = [
     pytest.mark.gpu,

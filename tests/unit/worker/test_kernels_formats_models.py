@@ -23,12 +23,11 @@ from services.worker.models.blocks import (
     Q5_M,
 )
 from services.worker.models.kernel_llama import QuantizedLlama
+from tests.model_runs import Slots, model_cache
 from tests.unit.worker.test_kernels_formats import _random_blocks
 from tests.worker_models import (
     ARCH_MODEL_TYPE,
-    Slots,
     hf_state_dict,
-    model_cache,
     random_model,
     tiny_tokenizer,
     write_gguf,

@@ -13,12 +13,11 @@ from services.worker import kernels
 from services.worker.kv_cache import PagedKVCache, SeqRows, build_batch
 from services.worker.loaders.gguf import load_gguf
 from services.worker.models.kernel_llama import QuantizedLlama
+from tests.model_runs import model_cache, rows_for
 from tests.worker_models import (
     gen,
     kernels_or_skip,
-    model_cache,
     random_model,
-    rows_for,
     tiny_q4_0_gguf,
     tiny_tokenizer,
     write_gguf,

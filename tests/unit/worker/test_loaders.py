@@ -15,13 +15,13 @@ from services.worker.loaders import ModelLoadError, load_model
 from services.worker.loaders.gguf import dequantize_fast, unpermute_qk
 from services.worker.loaders.tokenizer import build_gguf_tokenizer
 from services.worker.models.llama import LlamaModel
+from tests.model_runs import prefill_logits
 from tests.worker_models import (
     CORPUS,
     MARKERS,
     SPECIAL,
     hf_state_dict,
     permute_qk,
-    prefill_logits,
     random_model,
     tiny_tokenizer,
     write_gguf,

@@ -9,15 +9,8 @@ import torch
 
 from services.worker.loaders import load_model
 from services.worker.models.llama import LlamaConfig, LlamaModel, rope_inv_freq
-from tests.worker_models import (
-    ARCH_MODEL_TYPE,
-    Slots,
-    model_cache,
-    prefill_logits,
-    random_model,
-    tiny_tokenizer,
-    write_hf_model,
-)
+from tests.model_runs import Slots, model_cache, prefill_logits
+from tests.worker_models import ARCH_MODEL_TYPE, random_model, tiny_tokenizer, write_hf_model
 
 torch.set_num_threads(1)
 

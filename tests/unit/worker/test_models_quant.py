@@ -13,13 +13,8 @@ from services.worker.loaders import load_model
 from services.worker.models.int_linears import Int4Linear, Int8Linear, quantize_linears
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.models.llama import LlamaModel
-from tests.worker_models import (
-    Slots,
-    model_cache,
-    random_model,
-    tiny_tokenizer,
-    write_gguf,
-)
+from tests.model_runs import Slots, model_cache
+from tests.worker_models import random_model, tiny_tokenizer, write_gguf
 
 torch.set_num_threads(1)
 

@@ -13,13 +13,8 @@ import pytest
 import torch
 
 from services.worker.loaders import load_model
-from tests.worker_models import (
-    ARCH_MODEL_TYPE,
-    Slots,
-    model_cache,
-    prefill_logits,
-    write_hf_model,
-)
+from tests.model_runs import Slots, model_cache, prefill_logits
+from tests.worker_models import ARCH_MODEL_TYPE, write_hf_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,12 +20,11 @@ from services.worker.models.kernel_llama import (
     unpack_q4_1,
 )
 from services.worker.models.llama import LlamaModel
+from tests.model_runs import Slots, model_cache
 from tests.worker_models import (
     ARCH_MODEL_TYPE,
     SCALAR_KERNEL_FLAGS as SCALAR_FLAGS,
-    Slots,
     gen as _gen,
-    model_cache,
     random_model,
 )
 
