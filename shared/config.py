@@ -78,9 +78,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # (0 = off; the API always serves GET /metrics on its own port).
     metrics_port: int = 0
     # SLUICE_KV_CACHE_BYTES: the paged KV cache's pool, shared by running sequences and the
-    # prefix cache (0 = 15 % of physical memory up to 8 GiB on the CPU, 85 % of the GPU's free
-    # memory after the model loads); reserved, not touched until blocks fill.
+    # prefix cache (0 = 15 % of physical memory up to 8 GiB on the CPU; on a GPU what
+    # SLUICE_GPU_MEMORY_UTILIZATION leaves once the model is loaded); reserved, not touched until
+    # blocks fill.
     kv_cache_bytes: int = 0
+    # SLUICE_GPU_MEMORY_UTILIZATION: the share of the GPU's memory this worker may hold in all
+    # (weights, KV pool, graphs, activations); the rest stays free for other processes.
+    gpu_memory_utilization: float = 0.9
+    # SLUICE_CUDA_GRAPHS: replay decode steps from CUDA graphs captured at start-up, one per
+    # batch-size bucket (false: launch every kernel eagerly, for debugging).
+    cuda_graphs: bool = True
     # SLUICE_MAX_CACHED_TOKENS: the pool in tokens instead of bytes (0 = from the bytes).
     max_cached_tokens: int = 0
     kv_block_size: int = 16  # SLUICE_KV_BLOCK_SIZE: tokens per KV block (a multiple of 8)

@@ -21,6 +21,7 @@ from functools import cached_property
 import torch
 
 from services.worker.block_pool import BlockPool
+from services.worker.paged_attention import HAVE_TRITON
 
 __all__ = ["AttentionBatch", "DecodeRows", "PagedKVCache", "SeqRows", "build_batch"]
 
@@ -52,6 +53,7 @@ class AttentionBatch:
     span: int  # the longest sequence's length after this forward (keys its attention reads)
     block_size: int
     firsts: list[int]  # the row of each sequence's first new token
+    decode_only: bool = False  # every sequence has one new row (row i is sequence i)
 
     @cached_property
     def decoding(self) -> DecodeRows | None:
@@ -106,6 +108,7 @@ def build_batch(seqs: list[SeqRows], block_size: int, device: torch.device) -> A
         span=max(s.start + s.count for s in seqs),
         block_size=block_size,
         firsts=firsts,
+        decode_only=len(positions) == len(seqs),
     )
 
 
@@ -141,6 +144,8 @@ class PagedKVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks, block_size)
         self._touched = [False] * num_blocks
+        # single-token rows attend through the block tables in a Triton kernel (GPU only)
+        self.paged_kernel = device.type == "cuda" and HAVE_TRITON
 
     @staticmethod
     def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

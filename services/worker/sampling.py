@@ -18,8 +18,10 @@ __all__ = [
     "SamplingConfig",
     "apply_penalties",
     "filter_logits",
+    "logprob_entry",
     "mask_tokens",
     "sample_next_token",
+    "token_logprob",
     "top_logprobs",
 ]
 
@@ -177,11 +179,18 @@ def token_logprob(
     """The chosen token's log-probability and its ``k`` best alternatives, as the wire has them
     (each token's text as the tokenizer decodes it alone, and that text's UTF-8 bytes)."""
     lp, top = top_logprobs(logits.float().cpu(), token_id, k)
+    return logprob_entry(token_id, lp, top, tokenizer)
+
+
+def logprob_entry(
+    token_id: int, logprob: float, top: list[tuple[int, float]], tokenizer: Tokenizer
+) -> TokenLogprob:
+    """A token's log-probability and alternatives (ids and values) as the wire has them."""
     decode = tokenizer.decode
     text = decode([token_id], skip_special_tokens=False)
     return TokenLogprob(
         token=text,
-        logprob=lp,
+        logprob=logprob,
         bytes=list(text.encode()),
         top=[
             TopLogprob(

@@ -27,12 +27,13 @@ from tokenizers import Tokenizer
 
 from services.worker.block_pool import root_hash
 from services.worker.constrain import Constrainer, PendingMasks
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.kv_cache import PagedKVCache, SeqRows, build_batch
 from services.worker.models.llama import LlamaConfig
 from services.worker.paging import Planner
-from services.worker.sampling import apply_penalties, mask_tokens, sample_next_token, token_logprob
 from services.worker.sequence import DecoderFactory, DecoderLike, SequenceState
-from shared.events import AnyEvent, FinishReason, Start
+from services.worker.token_choice import TokenChooser
+from shared.events import AnyEvent, FinishReason, Start, TokenLogprob
 
 __all__ = ["DecoderFactory", "DecoderLike", "Scheduler", "SequenceState"]
 
@@ -65,6 +66,7 @@ class Scheduler:
         stall: float = 0.0,
         model_id: str = "",
         constrainer: Constrainer | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """Allocate the cache (``num_blocks`` of ``block_size`` tokens); call ``start`` to run.
 
@@ -72,7 +74,8 @@ class Scheduler:
         ``stall`` bounds a step that reads prompts beside decoding streams to that many times a
         decode-only step (``paging.StallGuard``; 0: the token budget alone);
         ``model_id`` salts the prefix cache's hashes; ``constrainer`` fills the token masks of
-        sequences that carry a ``constraint``.
+        sequences that carry a ``constraint``; ``cuda_graphs`` replays decode steps on a GPU
+        from graphs captured by ``start`` (``cuda_graphs.DecodeGraphs``).
         """
         self.constrainer = constrainer
         cfg = cast(LlamaConfig, model.config)  # LlamaModel or a test double with its config
@@ -99,6 +102,12 @@ class Scheduler:
             root=root_hash(model_id),
             stall=stall,
         )
+        on_gpu = device.type == "cuda"
+        self.chooser = TokenChooser(eos_ids, tokenizer, on_device=on_gpu)
+        self.graphs: DecodeGraphs | None = None
+        if on_gpu and cuda_graphs and self.cache.paged_kernel:
+            width = -(-min(self.context_length, self.cache.tokens) // block_size)
+            self.graphs = DecodeGraphs(model, self.cache, max_batch=max_batch, max_blocks=width)
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -138,7 +147,10 @@ class Scheduler:
         return self.planner.preemptions
 
     def start(self) -> None:
-        """Start the loop thread."""
+        """Start the loop thread (capturing the decode graphs first, once)."""
+        if self.graphs is not None and not self.graphs.graphs:
+            with torch.inference_mode():
+                self.graphs.capture()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="sluice-decode", daemon=True)
         self._thread.start()
@@ -221,32 +233,61 @@ class Scheduler:
             SeqRows(s.key, s.blocks, s.kv_len, n, int(s.kv_len + n == len(s.tokens)))
             for s, n in rows
         ]
-        batch = build_batch(spans, self.cache.block_size, self.device)
         ids = [t for s, n in rows for t in s.tokens[s.kv_len : s.kv_len + n]]
-        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         sampled = [s for (s, _), span in zip(rows, spans, strict=True) if span.logits]
         pending = self._begin_masks(sampled)  # filled while the model runs
-        logits = self.model(idx, batch, self.cache)  # (len(sampled), V)
+        if self.graphs is not None and len(ids) == len(rows) <= self.graphs.max_rows:
+            logits = self.graphs.run(ids, spans)  # a decode step: replayed
+        else:
+            batch = build_batch(spans, self.cache.block_size, self.device)
+            idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+            logits = self.model(idx, batch, self.cache)  # (len(sampled), V)
         decode_rows = sum(1 for _, n in rows if n == 1)
-        self.planner.guard.observe(time.perf_counter() - began, decode_rows, len(ids) - decode_rows)
+        if not self.chooser.on_device:  # on a GPU the forward is only queued by now
+            self.planner.guard.observe(
+                time.perf_counter() - began, decode_rows, len(ids) - decode_rows
+            )
         with self._cond:
             for seq, n in rows:
                 self.planner.commit(seq, n)
-        rows_out = self._masked(logits, pending).cpu() if sampled else logits
         # The step's batches go out together once every sequence has its token: the event loop
         # then wakes their publishers in one turn, and the worker sends the step as one pipeline
         # (``PublishPipe``) instead of a round trip per sequence.
         out: Delivery = []
         try:
-            for i, seq in enumerate(sampled):
-                self._confined(seq, self._sample, seq, rows_out[i], out)
+            if sampled:
+                self._sample(sampled, self._masked(logits, pending), out)
         finally:
             _emit(out)
+        if self.chooser.on_device:  # the step's tokens reached the host: its time is known
+            self.planner.guard.observe(
+                time.perf_counter() - began, decode_rows, len(ids) - decode_rows
+            )
         if self.on_step is not None:
             self.on_step(time.perf_counter() - began, len(rows))
 
-    def _sample(self, seq: SequenceState, logits: torch.Tensor, out: Delivery) -> None:
-        """Choose ``seq``'s next token; the first time its prompt is done, start its decoder."""
+    def _sample(self, seqs: list[SequenceState], logits: torch.Tensor, out: Delivery) -> None:
+        """Choose each sequence's next token from its row of ``logits`` and advance it."""
+        started: dict[SequenceState, list[AnyEvent]] = {}
+        for seq in seqs:
+            self._confined(seq, self._start, seq, started)
+        if self.chooser.on_device:
+            live = [i for i, s in enumerate(seqs) if s in started]
+            if not live:
+                return
+            rows = logits if len(live) == len(seqs) else logits[live]
+            choices = self.chooser.batch([seqs[i] for i in live], rows)
+            for i, (token, logprob) in zip(live, choices, strict=True):
+                seq = seqs[i]
+                self._confined(seq, self._advance, seq, token, logprob, started[seq], out)
+            return
+        rows = logits.cpu()
+        for i, seq in enumerate(seqs):
+            if seq in started:
+                self._confined(seq, self._choose_one, seq, rows[i], started[seq], out)
+
+    def _start(self, seq: SequenceState, started: dict[SequenceState, list[AnyEvent]]) -> None:
+        """The first time ``seq``'s prompt is done: start its decoder, and its stream."""
         events: list[AnyEvent] = []
         if seq.decoder is None:
             seq.decoder = self.make_decoder(
@@ -256,7 +297,7 @@ class Scheduler:
             # re-emitting anything it would still hold back (no duplicated text on the stream).
             seq.decoder.resume(seq.resume)
             for token in seq.resume:
-                self._count(seq, token)
+                self.chooser.count(seq, token)
             seq.generated = len(seq.resume)
             events.append(
                 Start(
@@ -267,7 +308,13 @@ class Scheduler:
                     attempt=seq.attempt,
                 )
             )
-        self._advance(seq, logits, events, out)
+        started[seq] = events
+
+    def _choose_one(
+        self, seq: SequenceState, logits: torch.Tensor, events: list[AnyEvent], out: Delivery
+    ) -> None:
+        token, logprob = self.chooser.one(seq, logits)
+        self._advance(seq, token, logprob, events, out)
 
     def _confined(self, seq: SequenceState, work: Callable[..., None], *args: Any) -> None:
         """Run one sequence's share of a step; if it raises (sampling, detokenizing, parsing),
@@ -292,43 +339,23 @@ class Scheduler:
             return logits
         return self.constrainer.apply(logits, pending)
 
-    def _count(self, seq: SequenceState, token: int) -> None:
-        if seq.counts is not None:
-            seq.counts[token] += 1
-        if seq.seen is not None:
-            seq.seen[token] = True
-
-    def _choose(self, seq: SequenceState, logits: torch.Tensor) -> int:
-        assert seq.decoder is not None
-        forced = seq.decoder.forced_next_token()
-        if forced is not None:
-            return forced
-        logits = logits.float().cpu()
-        cfg = seq.sampling
-        if seq.counts is not None and seq.seen is not None:
-            logits = apply_penalties(logits, seq.counts, seq.seen, cfg)
-        free = seq.constraint is None or not seq.constraint.active  # a grammar decides the end
-        if free and (seq.job.ignore_eos or seq.generated < seq.job.min_tokens):
-            logits = mask_tokens(logits, [i for i in self.eos_ids if i < logits.numel()])
-        return sample_next_token(logits, cfg, seq.generator)
-
     def _advance(
-        self, seq: SequenceState, logits: torch.Tensor, events: list[AnyEvent], out: Delivery
+        self,
+        seq: SequenceState,
+        token: int,
+        logprob: TokenLogprob | None,
+        events: list[AnyEvent],
+        out: Delivery,
     ) -> None:
-        """Choose, feed and account one token; finish the sequence when a stop condition holds.
-        The sequence's events go to ``out``, which the caller emits."""
+        """Feed and account ``seq``'s next token; finish the sequence when a stop condition
+        holds. The sequence's events go to ``out``, which the caller emits."""
         assert seq.decoder is not None
-        token = self._choose(seq, logits)
-        k = seq.job.sampling.top_logprobs
-        logprob = (
-            token_logprob(logits, token, k, self.tokenizer) if seq.job.sampling.logprobs else None
-        )
         events.extend(seq.decoder.feed(token, logprob))
         if seq.constraint is not None:
             seq.constraint.feed(token)
         seq.tokens.append(token)
         seq.generated += 1
-        self._count(seq, token)
+        self.chooser.count(seq, token)
         reason: FinishReason | None = seq.decoder.stop_reason
         if reason is None and (
             seq.generated >= seq.max_new or len(seq.tokens) >= self.context_length

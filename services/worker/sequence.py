@@ -8,6 +8,7 @@ and its sampling and parsing state. Mutated only by the loop thread after submis
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -65,6 +66,8 @@ class SequenceState:
     decoder: DecoderLike | None = None
     counts: torch.Tensor | None = None  # (V,) generated-token counts, only when penalised
     seen: torch.Tensor | None = None  # (V,) bool prompt + generated, for repetition penalty
+    # the device sampler's seed (the request's, else a random one): draws hash (seed, position)
+    seed: int = field(default_factory=lambda: random.getrandbits(63))
     cancelled: bool = False
     done: bool = False
     constraint: ConstraintState | None = None  # structured output / forced tool call

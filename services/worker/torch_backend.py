@@ -38,16 +38,20 @@ from shared.prompt import starts_in_reasoning
 __all__ = ["TorchBackend", "default_kv_bytes", "pool_blocks", "sampling_config"]
 
 CPU_KV_SHARE, CPU_KV_CAP = 0.15, 8 * 1024**3  # of physical memory, at most 8 GiB
-GPU_KV_SHARE = 0.85  # of the device memory free once the model is loaded
+# GPU memory kept out of the KV pool for activations, the graphs' pool and allocator slack
+GPU_RESERVE = 1024**3
 
 
-def default_kv_bytes(device: torch.device) -> int:
-    """The KV pool's default size (``SLUICE_KV_CACHE_BYTES`` = 0): on a GPU most of what the
-    weights left free; on the CPU a share of the machine's memory. The pool is reserved, not
+def default_kv_bytes(
+    device: torch.device, utilization: float = 0.9, reserve: int = GPU_RESERVE
+) -> int:
+    """The KV pool's default size (``SLUICE_KV_CACHE_BYTES`` = 0): on a GPU what the worker's
+    share of the device (``utilization`` of its memory) leaves once the weights are loaded,
+    less ``reserve``; on the CPU a share of the machine's memory. The pool is reserved, not
     touched: a CPU worker's resident memory grows only with the blocks it fills."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * GPU_KV_SHARE)
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(total * utilization) - (total - free) - reserve)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -96,6 +100,8 @@ class TorchBackend:
         max_batched_tokens: int = 0,
         prefill_stall: float = 0.0,
         stream_interval_s: float = 0.0,
+        gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool = True,
     ) -> None:
         """Wrap a loaded model; ``make_decoder`` defaults to the real ``OutputDecoder``.
 
@@ -106,7 +112,8 @@ class TorchBackend:
         longer than a decode step a step that also reads prompts may take (0: no bound);
         ``stream_interval_s`` is
         the least time between two batches of one request that ``generate`` yields (steps in
-        between are joined; 0: each as soon as it is taken).
+        between are joined; 0: each as soon as it is taken); ``gpu_memory_utilization`` the
+        share of a GPU the worker may fill; ``cuda_graphs`` replays decode steps on a GPU.
         """
         self.loaded = loaded
         self.stream_interval_s = stream_interval_s
@@ -120,8 +127,11 @@ class TorchBackend:
             int(cfg.head_dim),
             getattr(loaded.model, "kv_dtype", loaded.dtype),
         )
+        # the graphs' logits buffers and the sampler's work on them, beside the fixed reserve
+        reserve = GPU_RESERVE + 2 * self.max_batch * int(cfg.vocab_size) * 4
         blocks = pool_blocks(
-            kv_bytes=kv_cache_bytes or default_kv_bytes(loaded.device),
+            kv_bytes=kv_cache_bytes
+            or default_kv_bytes(loaded.device, gpu_memory_utilization, reserve),
             tokens=max_cached_tokens,
             per_token=per_token,
             block_size=block_size,
@@ -147,6 +157,7 @@ class TorchBackend:
             stall=prefill_stall,
             model_id=loaded.card.name,
             constrainer=self.constrainer,
+            cuda_graphs=cuda_graphs,
         )
 
     def _output_decoder(
@@ -228,10 +239,14 @@ class TorchBackend:
             emit=emit,
             on_freed=on_freed,
         )
+        if job.sampling.seed is not None:
+            seq.seed = job.sampling.seed
+        # penalty state where the token choice runs: the GPU's batched sampler, or the CPU
+        where = self.loaded.device if self.scheduler.chooser.on_device else torch.device("cpu")
         if seq.sampling.presence_penalty or seq.sampling.frequency_penalty:
-            seq.counts = torch.zeros(vocab)
+            seq.counts = torch.zeros(vocab, device=where)
         if seq.sampling.repetition_penalty != 1.0:
-            seq.seen = torch.zeros(vocab, dtype=torch.bool)
+            seq.seen = torch.zeros(vocab, dtype=torch.bool, device=where)
             seq.seen[prompt] = True
         return seq
 
@@ -332,6 +347,8 @@ class TorchBackend:
             max_batched_tokens=settings.max_batched_tokens,
             prefill_stall=settings.prefill_stall,
             stream_interval_s=settings.stream_interval_s,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            cuda_graphs=settings.cuda_graphs,
         )
 
 

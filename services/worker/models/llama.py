@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.kv_cache import AttentionBatch, PagedKVCache
+from services.worker.paged_attention import paged_attention
 
 __all__ = [
     "MLP",
@@ -151,6 +152,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_head, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (self.n_head + 2 * self.n_kv) * self.hd
+        self.scale = 1.0 / math.sqrt(self.hd)
         self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=cfg.o_bias)
 
@@ -188,9 +190,17 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin  # cos, sin (n, 1, hd)
         k = k * cos + rotate_half(k) * sin
         cache.write(self.layer, k, v, batch)
+        if cache.paged_kernel and batch.decode_only:  # a decode step (a captured graph's)
+            y = self.paged(q, batch.seq_index, batch.positions, batch, cache)
+            return y.reshape(n, self.n_head * self.hd)
         y = torch.empty_like(q)  # (n, H, hd)
         group = batch.decoding  # built by the first layer, reused by the others
-        if group is not None:
+        if group is not None and cache.paged_kernel:
+            rows = group.rows
+            y[rows] = self.paged(
+                q[rows], batch.seq_index[rows], batch.positions[rows], batch, cache
+            )
+        elif group is not None:
             keys, values = cache.read(self.layer, group.tables, group.span)  # (b, KV, S, hd)
             out = grouped_decode_attention(
                 q[group.rows].unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), group.mask
@@ -200,11 +210,14 @@ class Attention(nn.Module):
             if s.count == 1:
                 continue
             first, span = batch.firsts[i], s.start + s.count
-            keys, values = cache.read(self.layer, batch.tables[i : i + 1], span)  # (1, KV, S, hd)
             qi = q[first : first + s.count].transpose(0, 1).unsqueeze(0)  # (1, H, T, hd)
             causal = s.start == 0  # nothing cached before: SDPA's fused causal kernels
             mask: torch.Tensor | None = None
-            if not causal:
+            if causal:  # the chunk's own keys, as computed: no read of the cache
+                keys = k[first : first + s.count].transpose(0, 1).unsqueeze(0)  # (1, KV, T, hd)
+                values = v[first : first + s.count].transpose(0, 1).unsqueeze(0)
+            else:
+                keys, values = cache.read(self.layer, batch.tables[i : i + 1], span)
                 keys_at = torch.arange(span, device=q.device)
                 mask = keys_at[None, :] <= batch.positions[first : first + s.count, None]
             out = F.scaled_dot_product_attention(
@@ -217,6 +230,20 @@ class Attention(nn.Module):
             )  # (1, H, T, hd)
             y[first : first + s.count] = out[0].transpose(0, 1)
         return y.reshape(n, self.n_head * self.hd)
+
+    def paged(
+        self,
+        q: torch.Tensor,
+        seq_index: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Single-token rows ``q`` (r, H, hd) through the block tables (``paged_attention``)."""
+        layer = self.layer
+        return paged_attention(
+            q, cache.k[layer], cache.v[layer], batch.tables, seq_index, positions, self.scale
+        )
 
 
 class MLP(nn.Module):
