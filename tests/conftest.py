@@ -2,6 +2,9 @@
 
 Integration tests talk to a real Redis: ``SLUICE_TEST_REDIS_URL`` (default database 15 of the
 local server, so a developer's data in database 0 is never flushed), flushed before each test.
+
+Without a GPU, Triton kernels (the GPU engine's paged attention) run in Triton's interpreter on
+CPU tensors: set before anything imports triton, which reads it when a kernel is defined.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TEST_REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
