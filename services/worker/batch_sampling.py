@@ -58,7 +58,10 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> tor
     x = (x ^ _shr(x, 30)) * MIX1
     x = (x ^ _shr(x, 27)) * MIX2
     x = x ^ _shr(x, 31)
-    return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: every (n + 0.5) / 2^23 is exact in fp32, the largest 1 - 2^-24 (24 bits would
+    # round 2^24 - 0.5 up to 2^24, a uniform of 1.0: a race of 0 that any token, even one of
+    # probability 0, wins)
+    return (_shr(x, 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,9 @@ def _filtered(x: torch.Tensor, cfg: list[SamplingConfig]) -> torch.Tensor:
     ordered = ordered.masked_fill(rank >= top_k, float("-inf"))
     probs = torch.softmax(ordered, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs
-    ordered = ordered.masked_fill(before >= _column([c.top_p for c in cfg], x), float("-inf"))
+    # top_p 1 is off: the fp32 cumulative sum reaches 1.0 before a long tail, which must stay
+    top_p = _column([c.top_p if c.top_p < 1.0 else float("inf") for c in cfg], x)
+    ordered = ordered.masked_fill(before >= top_p, float("-inf"))
     probs = torch.softmax(ordered, dim=-1)
     floor = _column([c.min_p for c in cfg], x) * probs[:, :1]  # the most likely stays first
     ordered = ordered.masked_fill(probs < floor, float("-inf"))
@@ -165,7 +170,8 @@ def _filtered(x: torch.Tensor, cfg: list[SamplingConfig]) -> torch.Tensor:
 def _draw(x: torch.Tensor, rows: list[RowChoice]) -> torch.Tensor:
     """One token per row from softmax(filtered ``x``): the exponential race (module doc)."""
     probs = torch.softmax(_filtered(x, [r.sampling for r in rows]), dim=-1)
-    seeds = torch.tensor([r.seed for r in rows], device=x.device, dtype=torch.int64)
+    # a request's seed is any 64-bit value: the same bits as torch's int64 holds them
+    seeds = torch.tensor([_signed(r.seed) for r in rows], device=x.device, dtype=torch.int64)
     counters = torch.tensor([r.counter for r in rows], device=x.device, dtype=torch.int64)
     race = -torch.log(hash_uniform(seeds, counters, x.shape[1]))  # exponential(1)
     return (probs / race).argmax(dim=-1)

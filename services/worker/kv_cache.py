@@ -144,6 +144,10 @@ class PagedKVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks, block_size)
         self._touched = [False] * num_blocks
+        if zeroed and device.type == "cuda":  # one memset at start beats a launch per block
+            self.k.zero_()
+            self.v.zero_()
+            self._touched = [True] * num_blocks
         # single-token rows attend through the block tables in a Triton kernel (GPU only)
         self.paged_kernel = device.type == "cuda" and HAVE_TRITON
 

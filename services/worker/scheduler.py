@@ -238,6 +238,8 @@ class Scheduler:
         pending = self._begin_masks(sampled)  # filled while the model runs
         if self.graphs is not None and len(ids) == len(rows) <= self.graphs.max_rows:
             logits = self.graphs.run(ids, spans)  # a decode step: replayed
+            if len(sampled) < len(spans):  # a resumed prompt re-read a token at a time
+                logits = logits[[i for i, s in enumerate(spans) if s.logits]]
         else:
             batch = build_batch(spans, self.cache.block_size, self.device)
             idx = torch.tensor(ids, dtype=torch.long, device=self.device)

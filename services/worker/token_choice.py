@@ -45,8 +45,10 @@ class TokenChooser:
         if token is None:
             row = logits.float().cpu()
             cfg = seq.sampling
-            if seq.counts is not None and seq.seen is not None:
-                row = apply_penalties(row, seq.counts, seq.seen, cfg)
+            if seq.counts is not None or seq.seen is not None:  # either kind alone, too
+                counts = torch.zeros_like(row) if seq.counts is None else seq.counts
+                seen = torch.zeros_like(row, dtype=torch.bool) if seq.seen is None else seq.seen
+                row = apply_penalties(row, counts, seen, cfg)
             if self._bans_eos(seq):
                 row = mask_tokens(row, [i for i in self.eos_ids if i < row.numel()])
             token = sample_next_token(row, cfg, seq.generator)

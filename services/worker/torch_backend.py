@@ -137,6 +137,10 @@ class TorchBackend:
             block_size=block_size,
             context=int(cfg.context_length),
         )
+        if gpu and not (kv_cache_bytes or max_cached_tokens):
+            # running sequences can never fill more than max_batch whole contexts: a small model
+            # would otherwise take most of the card for a prefix cache it cannot use
+            blocks = min(blocks, -(-self.max_batch * int(cfg.context_length) // block_size))
         self.constrainer = Constrainer(
             loaded.card.tokenizer_json,
             vocab=int(cfg.vocab_size),
