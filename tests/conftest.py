@@ -19,6 +19,29 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a scalar loaded at run time into a one-element array, and
+    ``range`` over it calls ``int()`` of that array, which NumPy 2.4 refuses; the compiled
+    kernel has no such step. Index through the array's single element instead."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor: object, scope: object) -> None:
+        patch(tensor, scope)
+        scope.set_attr(  # type: ignore[attr-defined]
+            tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0])
+        )
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_loop_bounds()
+
 TEST_REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 

@@ -91,23 +91,28 @@ def paged_attention(
     g_pad = max(16, triton.next_power_of_2(G))
     d_pad = max(16, triton.next_power_of_2(hd))
     tile = max(TILE, bs)
-    part_max = torch.empty(n, H, splits, device=q.device, dtype=torch.float32)
-    part_sum = torch.empty_like(part_max)
-    part_out = torch.empty(n, H, splits, hd, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    if splits == 1:
+        part_max = part_sum = part_out = out  # unused: the kernel writes ``out`` itself
+    else:
+        part_max = torch.empty(n, H, splits, device=q.device, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+        part_out = torch.empty(n, H, splits, hd, device=q.device, dtype=torch.float32)
     # fp32 models: no TF32 rounding in the products (the option is ignored for halves)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _split_kernel[(n, KV, splits)](
-        q, k_cache, v_cache, tables, seq_index, positions, part_max, part_sum, part_out,
+        q, k_cache, v_cache, tables, seq_index, positions, part_max, part_sum, part_out, out,
         scale * 1.4426950408889634,  # exp2 in the kernel: fold log2(e) into the scale
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        tables.stride(0),
-        G=G, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BS=bs, TILE=tile, SPLITS=splits, PRECISION=precision,
+        tables.stride(0), out.stride(0), out.stride(1),
+        G=G, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BS=bs, TILE=tile, SPLITS=splits,
+        PRECISION=precision,
     )  # fmt: skip
-    out = torch.empty_like(q)
-    _fold_kernel[(n, H)](
-        part_max, part_sum, part_out, out, out.stride(0), out.stride(1),
-        HD=hd, D_PAD=d_pad, SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
-    )  # fmt: skip
+    if splits > 1:
+        _fold_kernel[(n, H)](
+            part_max, part_sum, part_out, out, out.stride(0), out.stride(1),
+            HD=hd, D_PAD=d_pad, SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
+        )  # fmt: skip
     return out
 
 
@@ -115,8 +120,9 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, seq_ptr, pos_ptr, max_ptr, sum_ptr, acc_ptr,
+        q_ptr, k_ptr, v_ptr, tables_ptr, seq_ptr, pos_ptr, max_ptr, sum_ptr, acc_ptr, out_ptr,
         scale, stride_qn, stride_qh, stride_kh, stride_kb, stride_kt, stride_table,
+        stride_on, stride_oh,
         G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr,
         BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -146,8 +152,7 @@ if triton is not None:
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         table = tables_ptr + seq * stride_table
         base = kvh.to(tl.int64) * stride_kh
-        tile_i = first
-        while tile_i < last:  # (a while loop: bounds loaded at run time)
+        for tile_i in range(first, last):
             tok = tile_i * TILE + t
             ok = tok < length
             block = tl.load(table + tok // BS, mask=ok, other=0).to(tl.int64)
@@ -164,12 +169,18 @@ if triton is not None:
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv
             m = m_new
-            tile_i += 1
-        head_rows = row.to(tl.int64) * (tl.num_programs(1) * G) + heads  # (n, H) row-major
-        tl.store(max_ptr + head_rows * SPLITS + split, m, mask=g_ok)
-        tl.store(sum_ptr + head_rows * SPLITS + split, s_acc, mask=g_ok)
-        out_at = (head_rows[:, None] * SPLITS + split) * HD + d[None, :]
-        tl.store(acc_ptr + out_at, acc, mask=g_ok[:, None] & d_ok[None, :])
+        if SPLITS == 1:  # the whole row in this program: no partials to fold
+            y = acc / s_acc[:, None]
+            out_at = (
+                out_ptr + row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :]
+            )
+            tl.store(out_at, y.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            head_rows = row.to(tl.int64) * (tl.num_programs(1) * G) + heads  # (n, H) row-major
+            tl.store(max_ptr + head_rows * SPLITS + split, m, mask=g_ok)
+            tl.store(sum_ptr + head_rows * SPLITS + split, s_acc, mask=g_ok)
+            part_at = (head_rows[:, None] * SPLITS + split) * HD + d[None, :]
+            tl.store(acc_ptr + part_at, acc, mask=g_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _fold_kernel(

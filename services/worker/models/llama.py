@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker import fused_ops
 from services.worker.kv_cache import AttentionBatch, PagedKVCache
 from services.worker.paged_attention import paged_attention
 
@@ -120,6 +121,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.wanted(x):  # one kernel instead of eight (GPU)
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -187,9 +190,15 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
         q, k = self.norm_qk(q.view(n, self.n_head, self.hd), k.view(n, self.n_kv, self.hd))
         v = v.view(n, self.n_kv, self.hd)
-        q = q * cos + rotate_half(q) * sin  # cos, sin (n, 1, hd)
-        k = k * cos + rotate_half(k) * sin
-        cache.write(self.layer, k, v, batch)
+        if cache.paged_kernel:  # GPU: rotate and store in one kernel; cos, sin fp32 here
+            cos, sin = cos.squeeze(1), sin.squeeze(1)
+            at = (batch.tables, batch.seq_index, batch.positions)
+            kc, vc = cache.k[self.layer], cache.v[self.layer]
+            q, k = fused_ops.rope_store(q, k, v, cos, sin, kc, vc, *at)
+        else:
+            q = q * cos + rotate_half(q) * sin  # cos, sin (n, 1, hd)
+            k = k * cos + rotate_half(k) * sin
+            cache.write(self.layer, k, v, batch)
         if cache.paged_kernel and batch.decode_only:  # a decode step (a captured graph's)
             y = self.paged(q, batch.seq_index, batch.positions, batch, cache)
             return y.reshape(n, self.n_head * self.hd)
@@ -255,7 +264,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, I) each
+        both = self.gate_up(x)  # (n, 2 I)
+        if fused_ops.wanted(both):
+            return self.down_proj(fused_ops.silu_mul(both))
+        gate, up = both.chunk(2, dim=-1)  # (n, I) each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -338,7 +350,8 @@ class LlamaModel(nn.Module):
                 self.rope_sin.to(idx.device),
             )
         x = self.embed_tokens(idx)  # (n, C)
-        cos, sin = self.rope_at(batch.positions, x.dtype)
+        # the GPU's fused rotary kernel multiplies in fp32; torch's ops in the model's dtype
+        cos, sin = self.rope_at(batch.positions, torch.float32 if cache.paged_kernel else x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, batch, cache)
         x = self.norm(x[batch.logit_rows])  # (m, C): no lm_head for the other prompt rows

@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from services.worker import fused_ops
 from services.worker import paged_attention as pa
 from services.worker.kv_cache import build_batch
 from tests.model_runs import model_cache, rows_for
@@ -72,10 +73,11 @@ def test_reference_is_attention_over_the_prefix() -> None:
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_model_forward_through_the_kernel_equals_torch_attention(
-    kernel: ModuleType, arch: str
+    kernel: ModuleType, arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prompt, then a step mixing a prompt chunk after a cached prefix with decode rows, then
-    a decode-only step: logits through the kernel equal torch's attention at every step."""
+    a decode-only step: logits through the GPU's kernels (paged attention, fused norms, rotary
+    and cache store, SwiGLU) equal torch's ops at every step."""
     model = random_model(arch, 97, seed=7).to(DEV)
     caches = [model_cache(model, blocks=32, device=DEV) for _ in range(2)]
     caches[0].paged_kernel, caches[1].paged_kernel = False, True
@@ -84,6 +86,7 @@ def test_model_forward_through_the_kernel_equals_torch_attention(
     outs: list[list[torch.Tensor]] = [[], []]
     with torch.inference_mode():
         for cache, out in zip(caches, outs, strict=True):
+            monkeypatch.setattr(fused_ops, "FORCE", cache.paged_kernel)
             tables: list[list[int]] = [[], [], []]
             # step 1: the first two prompts whole
             spans = [rows_for(cache, tables[i], 0, len(prompts[i]), key=i) for i in (0, 1)]
