@@ -11,8 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from services.worker import fused_ops
-from services.worker import paged_attention as pa
+from services.worker import fused_ops, paged_attention as pa
 from services.worker.kv_cache import build_batch
 from tests.model_runs import model_cache, rows_for
 from tests.worker_models import random_model
@@ -104,7 +103,9 @@ def test_model_forward_through_the_kernel_equals_torch_attention(
             ids = [5, *prompts[2][17:], 6]
             out.append(model(torch.tensor(ids, device=DEV), build_batch(spans, 16, DEV), cache))
             # step 3: decode only
-            spans = [rows_for(cache, tables[i], n, 1, key=i) for i, n in ((0, 22), (1, 10), (2, 40))]
+            spans = [
+                rows_for(cache, tables[i], n, 1, key=i) for i, n in ((0, 22), (1, 10), (2, 40))
+            ]
             batch = build_batch(spans, 16, DEV)
             assert batch.decode_only
             out.append(model(torch.tensor([7, 8, 9], device=DEV), batch, cache))
