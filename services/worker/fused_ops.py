@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.paged_attention import HAVE_TRITON, tl, triton
+from services.worker.paged_attention import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
 
 __all__ = ["FORCE", "rms_norm", "rope_store", "silu_mul", "wanted"]
 
