@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.paged_attention import HAVE_TRITON
-
-if HAVE_TRITON:
+try:  # Triton ships with torch's CUDA builds; the CPU wheel has none.
     import triton
     import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
 
 __all__ = ["FORCE", "rms_norm", "rope_store", "silu_mul", "wanted"]
 
@@ -91,7 +94,7 @@ def rope_store(
     return q_out, k_out
 
 
-if HAVE_TRITON:
+if triton is not None:
 
     @triton.jit
     def _rms_kernel(
