@@ -141,14 +141,14 @@ if triton is not None:
         s1 = tl.load(sin_ptr + row * stride_cos + i, mask=ok, other=0.0)
         s2 = tl.load(sin_ptr + row * stride_cos + HALF + i, mask=ok, other=0.0)
         if head < H:  # a query head: rotate into q_out
-            at = q_ptr + row * stride_qn + head * stride_qh
-            x1 = tl.load(at + i, mask=ok, other=0.0)
-            x2 = tl.load(at + HALF + i, mask=ok, other=0.0)
-            out = q_out_ptr + (row * H + head) * (2 * HALF)
-            r1 = x1.to(tl.float32) * c1 - x2.to(tl.float32) * s1
-            r2 = x2.to(tl.float32) * c2 + x1.to(tl.float32) * s2
-            tl.store(out + i, r1.to(x1.dtype), mask=ok)
-            tl.store(out + HALF + i, r2.to(x1.dtype), mask=ok)
+            q_in = q_ptr + row * stride_qn + head * stride_qh
+            x1 = tl.load(q_in + i, mask=ok, other=0.0)
+            x2 = tl.load(q_in + HALF + i, mask=ok, other=0.0)
+            q_at = q_out_ptr + (row * H + head) * (2 * HALF)
+            a1 = x1.to(tl.float32) * c1 - x2.to(tl.float32) * s1
+            a2 = x2.to(tl.float32) * c2 + x1.to(tl.float32) * s2
+            tl.store(q_at + i, a1.to(x1.dtype), mask=ok)
+            tl.store(q_at + HALF + i, a2.to(x1.dtype), mask=ok)
         else:  # a KV head: rotate the key, store key and value in the cache
             j = head - H
             kv_heads = tl.num_programs(1) - H
