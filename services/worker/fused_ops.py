@@ -8,6 +8,9 @@ the cache store another eight (index arithmetic, two scatters); SmolLM2's 30 lay
 about 1,500 kernels a step, 2.5 ms on an H200 whatever the batch. Each op here is one kernel
 with the same arithmetic (fp32 inside, rounded where PyTorch rounds).
 
+The residual stream's adds go into the next norm (``add_rms_norm``): a block hands its MLP
+output on un-added, and the next block's first kernel adds it and normalises.
+
 Used where ``wanted`` says so: CUDA tensors with Triton present (tests set ``FORCE`` to run them
 through Triton's interpreter on CPU tensors).
 """
@@ -25,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 HAVE_TRITON = triton is not None
 
-__all__ = ["FORCE", "rms_norm", "rope_store", "silu_mul", "wanted"]
+__all__ = ["FORCE", "add_rms_norm", "rms_norm", "rope_store", "silu_mul", "wanted"]
 
 FORCE = False  # tests: run the kernels on CPU tensors (under TRITON_INTERPRET=1)
 
@@ -50,6 +53,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         BLOCK=_pow2(d),
     )  # fmt: skip
     return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one pass over (n, d) rows: ``x + delta`` (rounded
+    to the dtype, as PyTorch's add) and ``rms_norm`` of it."""
+    n, d = x.shape
+    total = torch.empty_like(x)
+    out = torch.empty(n, d, dtype=torch.result_type(weight, x), device=x.device)
+    _add_rms_kernel[(n,)](
+        x, delta, weight, total, out, x.stride(0), delta.stride(0), d, eps, BLOCK=_pow2(d)
+    )
+    return total, out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -112,6 +129,24 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         out_at = out_ptr + row * stride_on + head * stride_oh + cols
         tl.store(out_at, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_rms_kernel(
+        x_ptr, delta_ptr, w_ptr, total_ptr, out_ptr, stride_x, stride_d, d, eps,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < d
+        raw = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        step = tl.load(delta_ptr + row * stride_d + cols, mask=ok, other=0.0)
+        total = (raw.to(tl.float32) + step.to(tl.float32)).to(raw.dtype)
+        tl.store(total_ptr + row * d + cols, total, mask=ok)
+        x = total.to(tl.float32)
+        scale = 1.0 / tl.sqrt(tl.sum(x * x, 0) / d + eps)
+        normed = (x * scale).to(raw.dtype).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * d + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inner, BLOCK: tl.constexpr):

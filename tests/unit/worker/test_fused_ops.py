@@ -92,3 +92,14 @@ def test_rope_store_rotates_and_stores_like_torch() -> None:
     for block, slot in written:  # (the rest of each block was never written in `expect`)
         for have, want in ((cache.k, expect.k), (cache.v, expect.v)):
             torch.testing.assert_close(have[0, :, block, slot].cpu(), want[0, :, block, slot])
+
+
+def test_add_rms_norm_adds_then_normalises() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, delta = torch.randn(6, 96, generator=g), torch.randn(6, 96, generator=g)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=g))
+    total, out = fused_ops.add_rms_norm(x.to(DEV), delta.to(DEV), norm.weight.to(DEV), 1e-5)
+    torch.testing.assert_close(total.cpu(), x + delta)
+    torch.testing.assert_close(out.cpu(), reference_norm(norm, x + delta), atol=1e-5, rtol=1e-5)
