@@ -1,8 +1,9 @@
 """The Llama architecture (SmolLM2, Llama 2/3) and the building blocks other decoders reuse.
 
 Owns the transformer forward only: RMSNorm, rotary embeddings, grouped-query attention over the
-engine's slot KV cache, SwiGLU MLP. It knows nothing about sampling, batching policy or
-tokenizers; Qwen2, Qwen3 and Mistral import these modules rather than copying them.
+engine's paged KV cache, SwiGLU MLP (on a GPU through ``fused_ops``' kernels). It knows nothing
+about sampling, batching policy or tokenizers; Qwen2, Qwen3 and Mistral import these modules
+rather than copying them.
 
 Weights are stored fused (``qkv`` and ``gate_up``) so a decode step runs two matmuls per block
 instead of five; ``load_hf_weights`` maps Hugging Face tensor names onto them.
@@ -183,8 +184,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Projected (n, (H + 2 KV) * hd) token rows -> attention output (n, H * hd).
 
-        Sequences decoding one token attend together (one gather, one masked batch); a
-        sequence with several new rows (a prompt chunk) attends on its own, causally.
+        Sequences decoding one token attend together: on a GPU through the block tables in
+        the Triton kernel (``paged_attention``), elsewhere by one gather and a masked batch. A
+        sequence with several new rows (a prompt chunk) attends on its own, causally, in SDPA.
         """
         n = qkv.shape[0]
         q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
