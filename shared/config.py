@@ -51,6 +51,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     lease_ttl_s: float = 5.0  # SLUICE_LEASE_TTL_S: a worker silent this long is presumed dead
     heartbeat_s: float = 1.0  # SLUICE_HEARTBEAT_S: lease/heartbeat refresh period
     max_attempts: int = 3  # SLUICE_MAX_ATTEMPTS: worker deaths tolerated per request
+    # SLUICE_OOM_WAIT_S: how long a worker holds a running request's events and retries while
+    # Redis refuses writes (maxmemory reached) before it ends the request with a retryable error
+    oom_wait_s: float = 60.0
     keepalive_s: float = 10.0  # SLUICE_KEEPALIVE_S: SSE comment when nothing else was sent
     start_timeout_s: float = 600.0  # SLUICE_START_TIMEOUT_S: give up if no worker starts it
     max_body_bytes: int = 8 * 1024 * 1024  # SLUICE_MAX_BODY_BYTES: larger requests get 413

@@ -15,11 +15,16 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeout
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+    ResponseError,
+    TimeoutError as RedisTimeout,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from services.api.wire import anthropic_messages, openai_errors
+from services.redis_oom import OOM_MESSAGE, is_oom
 from shared.errors import InvalidRequest, NotFound, ServiceError, Unavailable
 
 __all__ = ["error_response", "install_error_handlers"]
@@ -102,6 +107,16 @@ async def _on_redis_down(request: Request, exc: Exception) -> Response:
     return error_response(request, err)
 
 
+async def _on_redis_refused(request: Request, exc: Exception) -> Response:
+    # A Redis at maxmemory refuses writes until memory is freed: like an outage, a client that
+    # retries in a moment gets through. Handled here (not left to ``Exception``'s handler), so
+    # the connection stays usable and Redis's text, which names a script hash, is not sent.
+    if not is_oom(exc):
+        return await _on_unhandled(request, exc)
+    logger.warning("Redis out of memory on %s %s: %s", request.method, request.url.path, exc)
+    return error_response(request, Unavailable(OOM_MESSAGE, retry_after=1))
+
+
 async def _on_unhandled(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(request, ServiceError("internal server error"))
@@ -119,4 +134,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ClientDisconnect, _on_client_disconnect)
     app.add_exception_handler(RedisConnectionError, _on_redis_down)  # BusyLoading included
     app.add_exception_handler(RedisTimeout, _on_redis_down)
+    app.add_exception_handler(ResponseError, _on_redis_refused)  # OutOfMemoryError included
     app.add_exception_handler(Exception, _on_unhandled)

@@ -14,6 +14,7 @@ are the workers' (``services/worker/metrics.py``), where each request passes exa
 The queue gauges (``sluice_num_requests_waiting`` and friends) describe Redis, not this process:
 each scrape reads them from Redis (a few commands per model, never on a request's path), so
 every API replica reports the same values: aggregate them with ``max by (model)``, not ``sum``.
+So do ``sluice_redis_used_memory_bytes`` and ``sluice_redis_maxmemory_bytes`` (the event store's).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services import arq_keys
+from services.redis_oom import read_memory
 from services.redis_rtt import redis_rtt_histogram
 from shared import keys
 
@@ -128,11 +130,22 @@ class ApiMetrics:
             ["model"],
             registry=r,
         )
+        # Redis refuses writes (admission 503s, streams pause) once used reaches max: alert on
+        # the ratio before it does (max 0: no limit set).
+        self.redis_used = Gauge(
+            "sluice_redis_used_memory_bytes", "Redis's used_memory, read at scrape time", registry=r
+        )
+        self.redis_max = Gauge(
+            "sluice_redis_maxmemory_bytes", "Redis's maxmemory, 0 when unset", registry=r
+        )
 
     async def render(self, redis: aioredis.Redis, queue: aioredis.Redis | None = None) -> bytes:
         """Read the cluster gauges from Redis (``queue``: arq's, when not ``redis``), then the
         exposition text of the registry."""
         await self._read_cluster(redis, queue or redis)
+        memory = await read_memory(redis)
+        self.redis_used.set(memory.used_bytes)
+        self.redis_max.set(memory.max_bytes)
         return generate_latest(self.registry)
 
     async def _read_cluster(self, redis: aioredis.Redis, queue: aioredis.Redis) -> None:

@@ -42,6 +42,7 @@ from services.api.stream_ids import parse_id
 from services.api.stream_watch import StreamLost, StreamWatch
 from services.api.submit import cancel
 from services.api.wire import sse
+from services.redis_oom import OOM_MESSAGE, is_oom
 from shared import keys
 from shared.codec import decode_entry
 from shared.errors import ProtocolError
@@ -259,6 +260,8 @@ async def _frames(
         finished = True
         _spawn(state, _cancel_quietly(state, rid))
         error = Error(kind="internal", message=f"stream interrupted: {exc}", retryable=True)
+        if is_oom(exc):  # e.g. the start timeout's write refused by a full Redis
+            error = Error(kind="overloaded", message=OOM_MESSAGE, retryable=True)
         with contextlib.suppress(Exception):
             yield b"".join(sse.encode(f) for f in [*projector.feed(error), *projector.close()])
     finally:

@@ -2,7 +2,8 @@
 
 Every wire route ends in ``submit``. The checks run in order of cost and nothing is written to
 Redis until all of them pass, so a rejected request leaves no trace: unknown model (404), no
-live worker (503), prompt too long for the context (400), queue full (429 with Retry-After).
+live worker (503), prompt too long for the context (400), queue full (429 with Retry-After);
+a Redis that refuses the writes for want of memory is a 503 with Retry-After too.
 Then one pipeline stores the request hash and the in-flight entry, and the job goes onto arq's
 queue with ``job id = request id`` (a duplicate enqueue is a no-op) and a msgpack payload,
 through the protocol's ``ENQUEUE_BOUNDED`` script: the bound is checked in the same atomic step
@@ -17,10 +18,12 @@ import time
 from typing import TYPE_CHECKING
 
 import msgspec
+from redis.exceptions import ResponseError
 
 from services import arq_keys
 from services.api import access
 from services.redis_conn import transactional
+from services.redis_oom import OOM_MESSAGE, is_oom
 from shared import keys, logs
 from shared.codec import encode_job
 from shared.errors import (
@@ -29,6 +32,7 @@ from shared.errors import (
     NoWorker,
     RateLimited,
     ServiceError,
+    Unavailable,
 )
 from shared.jobs import GenerateRequest, Job
 from shared.protocol import QUEUE_FULL
@@ -69,6 +73,7 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
         InvalidRequest: the chat template rejected the conversation.
         ContextOverflow: prompt + ``max_tokens`` (or 1) exceeds the context length.
         RateLimited: the model's queue holds ``queue_max`` jobs or more.
+        Unavailable: Redis refused to store the request (``maxmemory`` reached).
     """
     try:
         return await _admit(state, job, owner)
@@ -115,8 +120,18 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
         rec.request_id, rec.model = rid, job.model
     logs.bind(request_id=rid, model=job.model)
     sent = time.perf_counter()
-    await _store(state, tokenized)
-    if await _enqueue(state, tokenized) == QUEUE_FULL:
+    try:
+        await _store(state, tokenized)
+        enqueued = await _enqueue(state, tokenized)
+    except ResponseError as exc:
+        if not is_oom(exc):
+            raise
+        # Redis is full (maxmemory, noeviction): nothing was queued, so the client may retry
+        # once memory is freed. The hash may be stored already; deleting is allowed when full,
+        # and must happen: a sweeper would otherwise take the in-flight entry for a lost run.
+        await _unstore(state, tokenized)
+        raise Unavailable(OOM_MESSAGE, retry_after=1) from exc
+    if enqueued == QUEUE_FULL:
         await _unstore(state, tokenized)
         raise RateLimited(f"the queue for '{job.model}' is full", retry_after=1)
     state.metrics.redis_rtt.labels("admit").observe(time.perf_counter() - sent)

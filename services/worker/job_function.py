@@ -23,6 +23,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from services.redis_oom import OOM_MESSAGE, is_oom
 from services.worker.backend import Backend
 from services.worker.metrics import RequestTimer, WorkerMetrics
 from services.worker.publish_pipe import PublishPipe
@@ -132,6 +133,8 @@ def _error_event(exc: BaseException) -> Error:
         return Error(kind="invalid_request", message=str(exc))
     if isinstance(exc, Overloaded):
         return Error(kind="overloaded", message=str(exc), retryable=True)
+    if is_oom(exc):  # Redis's own words name a script hash and a limit: not for a client
+        return Error(kind="overloaded", message=OOM_MESSAGE, retryable=True)
     return Error(kind="internal", message=f"{type(exc).__name__}: {exc}", retryable=True)
 
 

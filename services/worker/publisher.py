@@ -16,6 +16,15 @@ round trip, and bounds cancellation latency to one decode step.
 
 It also tracks the terminal event, so exactly one ``Finish``/``Error`` ever reaches the stream
 (``ensure_terminal`` is the ``finally`` that guarantees one).
+
+A Redis that reached ``maxmemory`` (``noeviction``) refuses the call's XADD, and the script
+writes nothing (the XADD is its first write): the batch is still here, so ``publish`` pauses and
+sends it again, backing off to ``_MAX_PAUSE_S``, until Redis takes it. A client sees a stall,
+then the rest of its answer. After ``SLUICE_OOM_WAIT_S`` of refusals in a row it gives up: the
+request's last entry is written by the same script flagged ``allow-oom`` (Redis 7), which Redis
+runs past the limit: the held batch itself when it ends the answer, else a retryable
+``Error(overloaded)``. One small entry per request given up, so the stream still ends with
+exactly one terminal event and memory grows by a bounded amount; everything else waits.
 """
 
 from __future__ import annotations
@@ -29,12 +38,14 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError
 
+from services.redis_oom import OOM_MESSAGE, is_oom
 from services.worker.publish_pipe import PublishPipe
 from shared import keys
 from shared.codec import encode_events
 from shared.config import Settings
-from shared.events import AnyEvent, is_terminal
+from shared.events import AnyEvent, Error, is_terminal
 from shared.protocol import LEASE_LOST, Scripts
 
 __all__ = ["TTL_REFRESH_S", "Outcome", "Publisher"]
@@ -45,6 +56,14 @@ log = logging.getLogger(__name__)
 # request runs, so a generation of any length keeps its log, at one EXPIRE a minute instead
 # of one per step. Capped at half the retention for short retentions.
 TTL_REFRESH_S = 60.0
+
+# Pauses between sends of a batch that a full Redis refused: short at first (memory is often
+# freed within a moment, e.g. by an expiring stream), doubling up to a cap that keeps a
+# recovered Redis from waiting long for the held events.
+_FIRST_PAUSE_S = 0.05
+_MAX_PAUSE_S = 0.5
+# Runs the PUBLISH script even while Redis refuses writes; used only to end a request.
+_ALLOW_OOM = "#!lua flags=allow-oom\n"
 
 
 class Outcome(enum.Enum):
@@ -79,6 +98,7 @@ class Publisher:
         self.rid = rid
         self.owner = owner
         self._scripts = Scripts(redis)
+        self._oom_wait_s = settings.oom_wait_s
         self._lease_ms = int(settings.lease_ttl_s * 1000)
         self._maxlen = settings.stream_maxlen
         self._retention_s = settings.retention_s
@@ -110,13 +130,40 @@ class Publisher:
             return Outcome.LEASE_LOST
         if not events:
             return Outcome.OK
-        write = asyncio.ensure_future(self._write(events))
+        refused_since: float | None = None
+        pause = _FIRST_PAUSE_S
+        while True:
+            try:
+                return await self._send(events)
+            except ResponseError as exc:
+                if not is_oom(exc):
+                    raise
+                now = time.monotonic()
+                if refused_since is None:
+                    refused_since = now
+                    log.warning("%s: Redis is out of memory; holding the events", self.rid)
+                if now - refused_since >= self._oom_wait_s:
+                    return await self._give_up(events)
+            # Cancellable (unlike a send): nothing is in flight while paused.
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE_S)
+
+    async def _send(self, events: Sequence[AnyEvent], *, allow_oom: bool = False) -> Outcome:
+        write = asyncio.ensure_future(self._write(events, allow_oom=allow_oom))
         try:
             return await asyncio.shield(write)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await write
             raise
+
+    async def _give_up(self, events: Sequence[AnyEvent]) -> Outcome:
+        """End the request past the memory limit: ``events`` if they end it, else an Error."""
+        log.error("%s: Redis refused writes for %.0f s; ending the request", self.rid,
+                  self._oom_wait_s)  # fmt: skip
+        if not any(is_terminal(e) for e in events):
+            events = [Error(kind="overloaded", message=OOM_MESSAGE, retryable=True)]
+        return await self._send(events, allow_oom=True)
 
     def _ttl(self, ends: bool) -> int:
         """The TTL this write sets (0: leave it): first write, terminal write, then a refresh."""
@@ -127,14 +174,17 @@ class Publisher:
             return self._retention_s
         return 0
 
-    async def _write(self, events: Sequence[AnyEvent]) -> Outcome:
+    async def _write(self, events: Sequence[AnyEvent], *, allow_oom: bool = False) -> Outcome:
         ends = any(is_terminal(e) for e in events)
         ttl = self._ttl(ends)
         keys_, args = Scripts.publish_call(
             self.rid, self.owner, encode_events(events), lease_ms=self._lease_ms,
             maxlen=self._maxlen, retention_s=ttl, also_expire=self._end_expire if ends else (),
         )  # fmt: skip
-        if self._pipe is None:
+        if allow_oom:  # rare (one call per request given up): not worth a registered script
+            source = _ALLOW_OOM + self._scripts.publish_source
+            result = int(await self.redis.eval(source, len(keys_), *keys_, *args))  # type: ignore[misc]
+        elif self._pipe is None:
             result = await self._scripts.publish(keys_, args)
         else:
             result = int(await self._pipe.call(keys_, args))

@@ -5,7 +5,9 @@ one worker's heartbeat is live; otherwise 503 with what is missing. A heartbeat 
 was written since the Redis server started: after a restart from an AOF the restored heartbeats
 of workers that died with it would otherwise read as live for a lease TTL. ``/metrics`` is this
 process's Prometheus exposition (``services/api/metrics.py``), unauthenticated like the probes:
-it carries counts and model names, never request content.
+it carries counts and model names, never request content. ``/readyz``'s ``redis_memory`` shows
+Redis's ``used_memory`` against its ``maxmemory``: a Redis filling up is seen before it refuses
+writes (it does not make the probe fail: admission answers a full Redis with a 503 itself).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.api.metrics import CONTENT_TYPE
 from services.api.state import get_state
+from services.redis_oom import read_memory
 
 __all__ = ["router"]
 
@@ -40,6 +43,7 @@ async def readyz(request: Request) -> JSONResponse:
         # latest it can be. A live worker's next beat counts within a second of a restart.
         started_ms = (time.time() - int(info["uptime_in_seconds"]) + 1) * 1000
         live = await state.cards.live_models(fresh=True, not_before_ms=started_ms)
+        memory = await read_memory(state.redis)
     except Exception as exc:  # boundary: a probe reports failure, it does not raise
         return JSONResponse(
             {"status": "unavailable", "redis": False, "error": str(exc), "models": {}},
@@ -47,7 +51,12 @@ async def readyz(request: Request) -> JSONResponse:
         )
     ready = bool(live)
     return JSONResponse(
-        {"status": "ready" if ready else "no_worker", "redis": True, "models": live},
+        {
+            "status": "ready" if ready else "no_worker",
+            "redis": True,
+            "models": live,
+            "redis_memory": memory.as_json(),
+        },
         status_code=200 if ready else 503,
     )
 
