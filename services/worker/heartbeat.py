@@ -7,14 +7,18 @@ in ``sluice:workers``, and refreshes the lease of every request this worker is g
 reading its cancel flag. The same pipeline re-publishes the model card's name and checks the
 card is still there, writing it again if not: a Redis that restarted without persistence (or
 failed over to an empty replica) has lost it, and without it the API answers 404 for a model
-that is being served. Per-step cancellation is the publisher's job (the flag rides on every
-publish); this loop only rescues a request whose step is stuck (e.g. a long prefill), by
-cancelling its task once it has been silent for a beat.
+that is being served. The hash's ``polled`` field is when the worker last polled its queue
+(poll_backoff.PollMark): ``/readyz`` counts a worker only once it has polled since Redis
+started, since heartbeats resume before a backed-off queue poll does. Per-step cancellation
+is the publisher's job (the flag rides on every publish); this loop only rescues a request
+whose step is stuck (e.g. a long prefill), by cancelling its task once it has been silent for
+a beat.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from importlib import metadata
@@ -22,6 +26,7 @@ from importlib import metadata
 from redis.exceptions import RedisError
 
 from services.worker.job_function import WorkerContext
+from services.worker.poll_backoff import PollMark
 from shared import keys
 from shared.protocol import LEASE_LOST, Scripts
 
@@ -43,7 +48,7 @@ def _tokens_per_s(wc: WorkerContext) -> float:
     return max(wc.generated - tokens, 0) / max(now - at, 1e-6)
 
 
-async def beat_once(wc: WorkerContext) -> None:
+async def beat_once(wc: WorkerContext, mark: PollMark | None = None) -> None:
     """One heartbeat: registry entries plus every active lease, in one pipeline."""
     now_ms = int(time.time() * 1000)
     ttl_ms = int(wc.settings.heartbeat_s * 3000)
@@ -63,6 +68,7 @@ async def beat_once(wc: WorkerContext) -> None:
                 "tokens_per_s": f"{_tokens_per_s(wc):.1f}",
                 "generated": wc.generated,
                 "served": wc.served,
+                **({"polled": mark.polled_ms} if mark is not None else {}),
             },
         )
         pipe.pexpire(keys.worker(wc.wid), ttl_ms)
@@ -97,14 +103,21 @@ def device_of(wc: WorkerContext) -> str:
     return str(getattr(wc.backend, "device", "none"))
 
 
-async def heartbeat_loop(wc: WorkerContext) -> None:
-    """Beat every ``heartbeat_s`` until cancelled; Redis hiccups are logged, not fatal."""
+async def heartbeat_loop(wc: WorkerContext, mark: PollMark | None = None) -> None:
+    """Beat every ``heartbeat_s`` until cancelled, and at once when ``mark`` asks (the first
+    poll after a failure: readiness should not wait a period); Redis hiccups are logged."""
     while True:
         try:
-            await beat_once(wc)
+            await beat_once(wc, mark)
         except RedisError as exc:
             log.warning("heartbeat failed: %s", exc)
-        await asyncio.sleep(wc.settings.heartbeat_s)
+        if mark is None:
+            await asyncio.sleep(wc.settings.heartbeat_s)
+            continue
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wc.settings.heartbeat_s):
+                await mark.beat_now.wait()
+        mark.beat_now.clear()
 
 
 async def retire(wc: WorkerContext) -> None:

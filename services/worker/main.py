@@ -38,6 +38,7 @@ from services import redis_conn
 from services.worker.backend import Backend
 from services.worker.heartbeat import VERSION, beat_once, device_of, heartbeat_loop, retire
 from services.worker.job_function import CTX_KEY, WorkerContext, generate
+from services.worker.poll_backoff import Backoff, PollMark
 from services.worker.publish_pipe import PublishPipe
 from services.worker.queue_bell import QueueBell
 from services.worker.recovery import sweep_loop
@@ -61,9 +62,11 @@ log = logging.getLogger(__name__)
 
 JOB_TIMEOUT_S = 6 * 3600  # arq's per-job timeout: only a backstop, leases handle crashes
 SHUTDOWN_GRACE_S = 5.0  # SIGTERM: let in-flight requests finish this long, then hand them over
-POLL_BACKOFF_MIN_S = 0.05  # first retry after a failed queue poll (Redis down or restarting)
-POLL_BACKOFF_MAX_S = 2.0  # the longest wait between polls while Redis stays down
-START_BACKOFF_MAX_S = 5.0  # the longest wait between start-up attempts to reach Redis
+START_BACKOFF_MAX_S = 1.0  # the longest wait between start-up attempts to reach Redis
+# A connect that hangs (SYNs dropped while Redis's host or container restarts) gives up after
+# this, so the next attempt's fresh SYN reaches Redis once it is back instead of waiting out the
+# kernel's SYN retransmissions (1, 3, 7, 15 s...). Reaching a Redis takes milliseconds.
+CONNECT_TIMEOUT_S = 1.0
 
 # arq stores failure results as exception objects; msgpack cannot, so they become their repr.
 _ARQ_ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)
@@ -101,28 +104,44 @@ class OwnJobsWorker(Worker):
     jobs are skipped before that check; everything else goes through arq unchanged.
 
     arq's poll loop has no error handling: the first failed command (a Redis restart, a
-    failover) ends ``main`` and with it the worker. Here a failed poll is logged and retried
-    with a capped exponential backoff, so consumption resumes by itself once Redis answers.
+    failover) ends ``main`` and with it the worker. Here a failed poll is retried with a
+    capped exponential backoff (poll_backoff.py: at most half a second between attempts), so
+    consumption resumes by itself within that of Redis answering. While retrying, the doorbell
+    is not waited for: its subscription may look alive on a connection that is dead, and each
+    attempt would wait out the idle poll on top of the stated delay.
     """
 
-    _backoff_s = 0.0  # the current retry delay; 0 while Redis answers
     bell: QueueBell | None = None  # set: poll when it rings (queue_bell.py), not every delay
     polls = 0  # queue polls made
+    backoff: Backoff | None = None  # set per instance on the first failure
+    mark: PollMark | None = None  # set: successful polls are recorded for the heartbeat
 
     async def _poll_iteration(self) -> None:
-        if self.bell is not None:
+        backoff = self.backoff
+        if self.bell is not None and (backoff is None or not backoff.failures):
             await self.bell.wait()
         self.polls += 1
+        started, started_ms = time.monotonic(), int(time.time() * 1000)
         try:
             await super()._poll_iteration()
         except (RedisError, OSError) as exc:
-            self._backoff_s = min(max(self._backoff_s * 2, POLL_BACKOFF_MIN_S), POLL_BACKOFF_MAX_S)
-            log.warning("queue poll failed (%s); retrying in %.2f s", exc, self._backoff_s)
-            await asyncio.sleep(self._backoff_s)
+            backoff = self.backoff = backoff or Backoff()
+            wait_s = backoff.failed(started)
+            # every failure at debug, warnings rate-limited through a long outage
+            log.log(
+                logging.WARNING if backoff.log_due() else logging.DEBUG,
+                "queue poll failed (%s); retrying in %.2f s (%d failures in a row)",
+                exc,
+                wait_s,
+                backoff.failures,
+            )
+            await asyncio.sleep(wait_s)
             return
-        if self._backoff_s:
-            log.info("queue poll recovered")
-            self._backoff_s = 0.0
+        recovered = backoff is not None and backoff.succeeded()
+        if self.mark is not None:
+            self.mark.polled(started_ms, urgent=recovered or self.polls == 1)
+        if recovered:
+            log.warning("queue poll recovered")
 
     async def run_job(self, job_id: str, score: int) -> None:
         try:
@@ -159,7 +178,11 @@ class RunningWorker:
             worker.async_run(), name=f"arq-{wc.wid}", context=ctx.copy()
         )
         self._loops = [
-            asyncio.create_task(heartbeat_loop(wc), name=f"beat-{wc.wid}", context=ctx.copy()),
+            asyncio.create_task(
+                heartbeat_loop(wc, getattr(worker, "mark", None)),
+                name=f"beat-{wc.wid}",
+                context=ctx.copy(),
+            ),
             asyncio.create_task(
                 sweep_loop(wc, arq, JOB_TIMEOUT_S), name=f"sweep-{wc.wid}", context=ctx.copy()
             ),
@@ -223,7 +246,9 @@ async def start_worker(
     settings: Settings, backend: Backend, *, wid: str | None = None
 ) -> RunningWorker:
     """Start a worker for ``backend`` on the running loop: card, heartbeat, arq, sweeper."""
-    redis = redis_conn.client(settings.events_redis_url, worker=True)
+    redis = redis_conn.client(
+        settings.events_redis_url, worker=True, socket_connect_timeout=CONNECT_TIMEOUT_S
+    )
     try:
         await redis.ping()
         await backend.start()
@@ -249,9 +274,13 @@ async def start_worker(
         pipe.hset(keys.model_card(name), "card", wc.card)  # type: ignore[arg-type]
         pipe.sadd(keys.models(), name)
         await pipe.execute()
-    await beat_once(wc)  # registered before the first job can arrive
+    mark = PollMark()  # not polled yet: /readyz does not count this worker until it has
+    await beat_once(wc, mark)  # registered before the first job can arrive
     arq = ArqRedis(
-        aioredis.ConnectionPool.from_url(redis_conn.queue_client_url(settings.queue_redis_url)),
+        aioredis.ConnectionPool.from_url(
+            redis_conn.queue_client_url(settings.queue_redis_url),
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+        ),
         job_serializer=arq_serialize,
         job_deserializer=arq_deserialize,
         default_queue_name=keys.queue(name),
@@ -278,6 +307,7 @@ async def start_worker(
         job_deserializer=arq_deserialize,
         log_results=False,
     )
+    worker.mark = mark
     if settings.idle_poll_s > 0:
         worker.bell = QueueBell(arq, keys.queue(name), settings.idle_poll_s)
     log.info("worker %s serving %s (max_batch=%d)", wid, name, backend.max_batch)
@@ -333,15 +363,17 @@ async def _wait_for_redis(settings: Settings, stop: asyncio.Event) -> bool:
     restarts waits with a capped backoff instead of exiting: the model is loaded already, and an
     exit would leave the restart to a supervisor that may not exist.
     """
-    url, delay = settings.events_redis_url, POLL_BACKOFF_MIN_S
+    url, backoff = settings.events_redis_url, Backoff(max_s=START_BACKOFF_MAX_S)
     while True:
-        redis = redis_conn.client(url)
+        redis = redis_conn.client(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        started = time.monotonic()
         try:
             await redis.ping()
             return True
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            delay = min(delay * 2, START_BACKOFF_MAX_S)
-            log.warning("cannot reach Redis at %s (%s); retrying in %.1f s", url, exc, delay)
+            delay = backoff.failed(started)
+            if backoff.log_due():
+                log.warning("cannot reach Redis at %s (%s); retrying in %.2f s", url, exc, delay)
         finally:
             await redis.aclose()
         with contextlib.suppress(TimeoutError):

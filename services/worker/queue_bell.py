@@ -33,7 +33,7 @@ __all__ = ["QueueBell"]
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.05  # first re-subscribe after a failure
-BACKOFF_MAX_S = 2.0
+BACKOFF_MAX_S = 0.5  # as the poll's (poll_backoff.py): back within half a second of Redis
 EARLY_RING_MAX_S = 5.0  # a score further ahead than this is not waited for: the idle poll is
 
 
