@@ -142,8 +142,10 @@ class CardCache:
 
         Args:
             fresh: bypass the cache.
-            not_before_ms: also ignore heartbeats older than this (epoch ms); implies fresh
-                and leaves the cache alone.
+            not_before_ms: also ignore heartbeats older than this (epoch ms), and workers
+                whose last queue poll (the heartbeat's ``polled``) is older; implies fresh and
+                leaves the cache alone. A worker too old to report ``polled`` counts by its
+                heartbeat alone (a rolling upgrade must not make every probe fail).
 
         Returns:
             ``{model: live worker count}``.
@@ -173,10 +175,13 @@ class CardCache:
             return {}
         async with self._redis.pipeline(transaction=False) as pipe:
             for wid in wids:
-                pipe.hget(keys.worker(wid.decode() if isinstance(wid, bytes) else wid), "model")
-            models = await pipe.execute()
+                worker_id = wid.decode() if isinstance(wid, bytes) else wid
+                pipe.hmget(keys.worker(worker_id), ["model", "polled"])
+            fields = await pipe.execute()
         live: dict[str, int] = {}
-        for model in models:
+        for model, polled in fields:
+            if not_before_ms and polled is not None and int(polled) < not_before_ms:
+                continue  # heartbeats resumed, but its queue poll has not yet
             if model is not None:  # the hash expired: that worker is gone despite its score
                 name = model.decode() if isinstance(model, bytes) else str(model)
                 live[name] = live.get(name, 0) + 1

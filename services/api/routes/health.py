@@ -13,6 +13,7 @@ writes (it does not make the probe fail: admission answers a full Redis with a 5
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -37,11 +38,9 @@ async def readyz(request: Request) -> JSONResponse:
     """Redis is reachable and at least one worker heartbeat is live (503 otherwise)."""
     state = get_state(request)
     try:
-        info = await state.redis.info("server")
-        # Redis reports whole seconds (its start time floored, its clock cached), so the start
-        # is somewhere in [now - uptime - 1, now - uptime + 1): count only heartbeats after the
-        # latest it can be. A live worker's next beat counts within a second of a restart.
-        started_ms = (time.time() - int(info["uptime_in_seconds"]) + 1) * 1000
+        # A worker counts once it has beaten and polled its queue since both Redis servers (one
+        # unless SLUICE_QUEUE_URL is set) started: its heartbeat resumes before its queue poll.
+        started_ms = max([await _started_ms(state.redis), await _started_ms(state.arq)])
         live = await state.cards.live_models(fresh=True, not_before_ms=started_ms)
         memory = await read_memory(state.redis)
     except Exception as exc:  # boundary: a probe reports failure, it does not raise
@@ -59,6 +58,16 @@ async def readyz(request: Request) -> JSONResponse:
         },
         status_code=200 if ready else 503,
     )
+
+
+async def _started_ms(redis: Any) -> float:
+    """The latest epoch ms at which ``redis`` can have started.
+
+    Redis reports whole seconds (its start time floored, its clock cached), so the start is
+    somewhere in [now - uptime - 1, now - uptime + 1): the latest it can be is what counts.
+    """
+    info = await redis.info("server")
+    return (time.time() - int(info["uptime_in_seconds"]) + 1) * 1000
 
 
 @router.get("/metrics")
