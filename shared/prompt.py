@@ -31,6 +31,8 @@ from shared.jobs import GenerateRequest, Message, ToolDef
 from shared.model_card import ModelCard, ReasoningMarkers
 
 __all__ = [
+    "MAX_NESTING",
+    "NestingError",
     "PromptRenderer",
     "RenderedPrompt",
     "hf_messages",
@@ -43,6 +45,17 @@ __all__ = [
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 # Keys whose values we write ourselves (never client text), so they are never sentinel-ized.
 _OWN_KEYS = frozenset({"role", "type"})
+# The deepest nesting of objects and lists a render walks (a tool schema's). Real schemas stay
+# within a few dozen; past this the walk would run out of Python's stack, so it is refused as
+# the client's error instead of surfacing as a RecursionError (a 500 wherever nobody caught it).
+MAX_NESTING = 256
+
+
+class NestingError(TemplateError):
+    """A tool schema nests deeper than a render can walk (the client's error)."""
+
+    def __init__(self) -> None:
+        super().__init__("a tool schema is nested too deeply")
 
 
 class RenderedPrompt(msgspec.Struct, frozen=True):
@@ -210,9 +223,17 @@ class PromptRenderer:
         """Render the job's messages and tools, tokenize, and find the initial reasoning state.
 
         Raises:
-            TemplateError: the template failed, or client text spelling a control token could not
+            TemplateError: the template failed, client text spelling a control token could not
                 be isolated from the template's own text.
+            NestingError: a tool schema nests deeper than ``MAX_NESTING`` (or than the
+                template's own walk of it can go).
         """
+        try:
+            return self._render(job)
+        except RecursionError as exc:  # a template's recursive macro, on a schema within the cap
+            raise NestingError from exc
+
+    def _render(self, job: GenerateRequest) -> RenderedPrompt:
         messages = hf_messages(job.messages)
         tools = hf_tools(job.tools)
         kwargs = template_kwargs(
@@ -273,8 +294,12 @@ class PromptRenderer:
         """Token ids of ``text`` as plain text: added tokens it spells are not matched."""
         return self._encode(text, text_only=True, first=True)
 
-    def _mask(self, value: Any, originals: list[str], nonce: str, key: str = "") -> Any:
+    def _mask(
+        self, value: Any, originals: list[str], nonce: str, key: str = "", depth: int = 0
+    ) -> Any:
         """Replace every client string that contains an added token's text with a sentinel."""
+        if depth > MAX_NESTING:
+            raise NestingError
         if isinstance(value, str):
             if key in _OWN_KEYS or self._added is None or not self._added.search(value):
                 return value
@@ -283,11 +308,11 @@ class PromptRenderer:
         if isinstance(value, dict):
             # Keys are client text too (a tool schema's property names, argument names).
             return {
-                self._mask(k, originals, nonce): self._mask(v, originals, nonce, k)
+                self._mask(k, originals, nonce): self._mask(v, originals, nonce, k, depth + 1)
                 for k, v in value.items()
             }
         if isinstance(value, list):
-            return [self._mask(v, originals, nonce, key) for v in value]
+            return [self._mask(v, originals, nonce, key, depth + 1) for v in value]
         return value
 
     def _encode_isolated(

@@ -35,12 +35,13 @@ from shared.errors import (
     Unavailable,
 )
 from shared.jobs import GenerateRequest, Job
+from shared.prompt import NestingError, PromptRenderer, RenderedPrompt
 from shared.protocol import QUEUE_FULL
 
 if TYPE_CHECKING:
     from services.api.state import AppState
 
-__all__ = ["cancel", "new_request_id", "submit"]
+__all__ = ["cancel", "new_request_id", "render_prompt", "submit"]
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -77,6 +78,12 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
     """
     try:
         return await _admit(state, job, owner)
+    except OverflowError as exc:
+        # The job is msgpack, which holds 64-bit integers: a larger one in free-form JSON (a tool
+        # schema, chat_template_kwargs) fails the encoder, before anything is written.
+        err = InvalidRequest("a number in the request does not fit in 64 bits")
+        state.metrics.rejections.labels(err.code, str(err.http_status)).inc()
+        raise err from exc
     except ServiceError as exc:  # counted by reason: 429 and 503 are the ones to alert on
         state.metrics.rejections.labels(exc.code, str(exc.http_status)).inc()
         raise
@@ -88,12 +95,7 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
         raise NoWorker(f"no worker is serving '{job.model}' right now", retry_after=5)
     if job.max_tokens is not None and job.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-    try:
-        rendered = await asyncio.to_thread(loaded.renderer.render, job)
-    except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
-        raise InvalidRequest(f"could not render the conversation: {exc}", param="messages") from exc
-    except RecursionError as exc:  # a tool schema nested deeper than any walk of it can go
-        raise InvalidRequest("a tool schema is nested too deeply", param="tools") from exc
+    rendered = await render_prompt(loaded.renderer, job)
     prompt_ids = list(rendered.token_ids)
     context = loaded.card.context_length
     wanted = job.max_tokens or 1
@@ -136,6 +138,31 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
         raise RateLimited(f"the queue for '{job.model}' is full", retry_after=1)
     state.metrics.redis_rtt.labels("admit").observe(time.perf_counter() - sent)
     return tokenized
+
+
+async def render_prompt(renderer: PromptRenderer, job: GenerateRequest) -> RenderedPrompt:
+    """Render and tokenize off the event loop, with the input's failures as the client's 400.
+
+    Admission and Anthropic's ``count_tokens`` both render through here, so a body one of them
+    refuses is refused by the other with the same error.
+
+    Args:
+        renderer: the model's renderer.
+        job: the canonical request.
+
+    Returns:
+        The rendered prompt.
+
+    Raises:
+        InvalidRequest: the template rejected the conversation, or a tool schema is nested too
+            deeply to walk.
+    """
+    try:
+        return await asyncio.to_thread(renderer.render, job)
+    except NestingError as exc:
+        raise InvalidRequest(str(exc), param="tools") from exc
+    except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
+        raise InvalidRequest(f"could not render the conversation: {exc}", param="messages") from exc
 
 
 async def _enqueue(state: AppState, job: Job) -> int:

@@ -11,8 +11,6 @@ created (in any format) as an Anthropic message or stream, and the latter resume
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 from fastapi import APIRouter, Request, Response
 
@@ -21,11 +19,10 @@ from services.api.ownership import REQUESTS, RETRIEVABLE, Stored, load_owned
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, sse_response
-from services.api.submit import new_request_id, submit
+from services.api.submit import new_request_id, render_prompt, submit
 from services.api.wire import anthropic_messages
 from services.api.wire.common import IGNORED_TOOLS_HEADER
 from shared.accumulate import fold
-from shared.errors import InvalidRequest
 from shared.jobs import GenerateRequest, Job
 
 __all__ = ["router"]
@@ -79,10 +76,7 @@ async def count_tokens(request: Request) -> Response:
     req = anthropic_messages.parse_count_tokens_request(await request.body())
     loaded = await state.cards.get(req.model)
     job = anthropic_messages.build_job(req, request_id=new_request_id("msg"))
-    try:
-        count = await asyncio.to_thread(loaded.renderer.count_tokens, job)
-    except ValueError as exc:  # TemplateError and tokenizer failures: the input is at fault
-        raise InvalidRequest(f"could not render the conversation: {exc}", param="messages") from exc
+    count = len((await render_prompt(loaded.renderer, job)).token_ids)
     return Response(_JSON.encode({"input_tokens": count}), media_type="application/json")
 
 

@@ -10,7 +10,14 @@ import pytest
 from shared.chat_template import TemplateError
 from shared.jobs import GenerateRequest, Message, ReasoningControl, TextPart, ToolCall, ToolDef
 from shared.model_card import ModelCard, ReasoningMarkers
-from shared.prompt import PromptRenderer, hf_messages, hf_tools, starts_in_reasoning
+from shared.prompt import (
+    MAX_NESTING,
+    NestingError,
+    PromptRenderer,
+    hf_messages,
+    hf_tools,
+    starts_in_reasoning,
+)
 from tests.tiny_tokenizer import tiny_tokenizer
 
 TEMPLATES = pathlib.Path(__file__).parents[2] / "fixtures" / "templates"
@@ -259,3 +266,28 @@ def test_forged_system_and_user_text_stays_text_in_every_template(name: str) -> 
     forged = rendered.text.count(FORGE)
     assert forged == 2
     assert_forge_is_text(rendered.token_ids, forged, rendered.text)
+
+
+def _nested(levels: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("levels", [300, 2000])
+def test_a_tool_schema_nested_too_deeply_is_a_template_error(levels: int) -> None:
+    # 300 levels passed the template and then overflowed the stack in the sentinel walk; 2000
+    # overflow the template's own ``tojson`` first: both are the client's error, never a
+    # RecursionError (which count_tokens answered with a 500).
+    renderer = PromptRenderer(card(template("qwen3")))
+    deep = ToolDef(name="f", description=None, parameters=_nested(levels))
+    with pytest.raises(NestingError, match="nested too deeply"):
+        renderer.render(job(user("hi <think>"), tools=[deep]))
+
+
+def test_a_tool_schema_within_the_nesting_cap_renders() -> None:
+    renderer = PromptRenderer(card(template("qwen3")))
+    deep = ToolDef(name="f", description=None, parameters=_nested(MAX_NESTING // 2 - 4))
+    rendered = renderer.render(job(user("hi <think>"), tools=[deep]))
+    assert rendered.token_ids
