@@ -34,6 +34,9 @@ router = APIRouter()
 _SERVER_FIELDS = ("request_id", "owner", "created", "prompt_token_ids", "prompt_text")
 _JOB_FIELDS = frozenset(f.name for f in msgspec.structs.fields(GenerateRequest))
 _JSON = msgspec.json.Encoder()
+# What the job's msgpack holds (``wire.common.WireInt``): a larger number is a 400, not a 500.
+# A seed may use all 64 bits unsigned, as the worker's sampler reads it.
+_MIN_INT, _MAX_INT, _MAX_SEED = -(2**63), 2**63 - 1, 2**64 - 1
 
 
 class NativeProjector:
@@ -75,6 +78,9 @@ def _parse_job(body: bytes, rid: str) -> GenerateRequest:
     _check_sampling(job.sampling)
     if job.min_tokens < 0:
         raise InvalidRequest("min_tokens must not be negative", param="min_tokens")
+    check_range(job.min_tokens, 0, _MAX_INT, "min_tokens")
+    check_range(job.max_tokens, 1, _MAX_INT, "max_tokens")
+    check_range(job.reasoning.budget_tokens, _MIN_INT, _MAX_INT, "reasoning.budget_tokens")
     if job.constraint is not None:
         check_constraint(job.constraint, "constraint")
     check_tool_schemas(job.tools, job.tool_choice, lambda i: f"tools[{i}].parameters")
@@ -93,6 +99,8 @@ def _check_sampling(s: SamplingParams) -> None:
     check_range(s.repetition_penalty, 1e-6, 100.0, "sampling.repetition_penalty")
     if s.top_k is not None and s.top_k < 0:
         raise InvalidRequest("sampling.top_k must not be negative", param="sampling.top_k")
+    check_range(s.top_k, 0, _MAX_INT, "sampling.top_k")
+    check_range(s.seed, _MIN_INT, _MAX_SEED, "sampling.seed")
     if s.top_logprobs and not s.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="sampling.top_logprobs")
 

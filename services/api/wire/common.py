@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
+from msgspec import Meta
 
 from shared.errors import ContextOverflow, InvalidRequest, Overloaded, ServiceError, WorkerLost
 from shared.events import Error, ErrorKind
@@ -24,6 +25,7 @@ __all__ = [
     "EFFORTS",
     "IGNORED_TOOLS_HEADER",
     "JsonObject",
+    "WireInt",
     "check_range",
     "decode_body",
     "error_location",
@@ -32,6 +34,10 @@ __all__ = [
 ]
 
 JsonObject = dict[str, object]
+# A count or limit a client sends: the job travels as msgpack, which holds 64 bits, so a larger
+# number is the client's 400 here rather than the encoder's 500. msgspec bounds only int64; a
+# seed, which may use all 64 bits unsigned, is left to ``submit``'s check.
+WireInt = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 T = TypeVar("T")
 
 # Tools a client declared that sluice cannot run (hosted/server tools, Chat's custom tools) are

@@ -72,6 +72,8 @@ class RedactedThinkingBlock(msgspec.Struct, frozen=True, tag_field="type", tag="
 
 ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 BLOCK_TYPES = "text, tool_use, tool_result, thinking, redacted_thinking"
+# The largest count a request may carry (``wire.common.WireInt``): larger is a 400, not a 500.
+_MAX = 2**63 - 1
 
 
 class InputMessage(msgspec.Struct, frozen=True):
@@ -109,7 +111,7 @@ class ThinkingParam(msgspec.Struct, frozen=True):
     """
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[int, Meta(ge=1)] | None = None
+    budget_tokens: Annotated[int, Meta(ge=1, le=_MAX)] | None = None
     display: Literal["summarized", "omitted"] | None = None
 
 
@@ -132,12 +134,12 @@ class MessagesRequest(msgspec.Struct, frozen=True):
 
     model: str
     messages: list[InputMessage]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=_MAX)] | None = None
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None  # 0 means "no top-k"
+    top_k: Annotated[int, Meta(ge=0, le=_MAX)] | None = None  # 0 means "no top-k"
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None

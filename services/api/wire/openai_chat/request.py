@@ -12,6 +12,7 @@ import msgspec
 
 from services.api.wire.common import (
     JsonObject,
+    WireInt,
     check_range,
     decode_body,
     error_location,
@@ -79,11 +80,11 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     messages: list[_Message]
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: WireInt | None = None
+    max_completion_tokens: WireInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: WireInt | None = None
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -91,9 +92,9 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: WireInt | None = None
     logit_bias: dict[str, float] | None = None
-    n: int | None = None
+    n: WireInt | None = None
     response_format: JsonObject | None = None
     structured_outputs: JsonObject | None = None  # vLLM's; and its older guided_* spellings
     guided_json: JsonObject | str | None = None
@@ -107,7 +108,7 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     include_reasoning: bool | None = None
     chat_template_kwargs: JsonObject | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
+    min_tokens: WireInt | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     # OpenAI's default is false, but sluice keeps every chat answer retrievable by id unless the

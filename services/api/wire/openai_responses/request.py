@@ -18,6 +18,7 @@ from services.api.wire.common import (
     EFFORTS,
     UNDECODABLE,
     JsonObject,
+    WireInt,
     reasoning_effort,
     undecodable,
 )
@@ -80,10 +81,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tools: list[JsonObject] | None = None
     tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: WireInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: int | None = None
+    top_logprobs: WireInt | None = None
     include: list[str] | None = None
     reasoning: _Reasoning | None = None
     text: _Text | None = None
@@ -96,7 +97,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
     # Echoed in the response (sluice has one service tier and no prompt-cache options).
-    max_tool_calls: int | None = None
+    max_tool_calls: WireInt | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
