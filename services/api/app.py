@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -32,12 +33,14 @@ from services.api.metrics import ApiMetrics
 from services.api.routes import chat, health, messages, models, native, responses
 from services.api.sse_asgi import SERVER_SEND
 from services.api.start_timeout import sweep_loop
-from services.api.state import AppState, load_reasoning_key
+from services.api.state import AppState, load_owner_secret, load_reasoning_key
 from services.redis_conn import queue_client_url
 from shared.config import Settings
 from shared.errors import RequestTooLarge
 
 __all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
 
 
 class _BodyLimit:
@@ -81,9 +84,31 @@ class _App(FastAPI):
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[SERVER_SEND] = send
-        await super().__call__(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        scope[SERVER_SEND] = send
+        status, answered = 0, False
+
+        async def watched(message: Message) -> None:
+            nonlocal status, answered
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                answered = True
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, watched)
+        except Exception as exc:
+            # Starlette re-raises an unhandled error after its handler has sent the 500, and
+            # uvicorn closes the connection on any error that escapes a started response: the
+            # client's next request on that keep-alive connection would read a reset. Once a
+            # whole answer is out, the connection stays up; a mid-stream failure still closes it.
+            if not answered:
+                raise
+            if status != 500:  # a 500 was the error handler's, which logged it already
+                logger.error("error after the response on %s", scope["path"], exc_info=exc)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -128,6 +153,7 @@ def create_app(settings: Settings) -> FastAPI:
             settings=settings, redis=redis, arq=arq, hub=hub, cards=cards, metrics=metrics
         )
         state.reasoning_key = await load_reasoning_key(redis, settings)
+        state.owner_secret = await load_owner_secret(redis, settings)
         app.state.sluice = state
         # Requests nobody streams must time out too (the pipeline covers the watched ones).
         sweeper = asyncio.create_task(sweep_loop(redis, arq, settings), name="sluice-start-timeout")
