@@ -28,7 +28,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     api_keys: list[str] = []  # SLUICE_API_KEYS (comma-separated); empty = auth off
     api_keys_file: str | None = None  # SLUICE_API_KEYS_FILE (one key per line)
     api_key: str | None = None  # SLUICE_API_KEY: the key `sluice replay` sends
-    owner_secret: str | None = None  # SLUICE_OWNER_SECRET: HMAC key of stored owner ids
+    # SLUICE_OWNER_SECRET: HMAC key of stored owner ids; unset = one generated once, kept in Redis
+    owner_secret: str | None = None
+    # SLUICE_METRICS_KEY: the bearer token the API's GET /metrics requires; unset = any API key
+    # when SLUICE_API_KEYS is set, else /metrics is open
+    metrics_key: str | None = None
     model: str = "smollm2"  # SLUICE_MODEL: what `sluice worker` serves by default
     model_name: str | None = None  # SLUICE_MODEL_NAME: the public id (default: derived)
     retention_s: int = 86_400  # SLUICE_RETENTION_S: TTL of event streams and request hashes

@@ -16,6 +16,7 @@ __all__ = [
     "lease",
     "model_card",
     "models",
+    "owner_secret",
     "queue",
     "reasoning_secret",
     "request",
@@ -98,3 +99,8 @@ def failovers() -> str:
 def reasoning_secret() -> str:
     """String: the generated secret of reasoning tokens (when none is configured)."""
     return f"{PREFIX}:secret:reasoning"
+
+
+def owner_secret() -> str:
+    """String: the generated HMAC key of stored owner ids (when none is configured)."""
+    return f"{PREFIX}:secret:owner"

@@ -2,9 +2,13 @@
 
 Keys come from ``Settings.all_api_keys()``; no keys configured means auth is off and every
 caller is the anonymous owner ``""``. The owner id stored with a request is an HMAC-SHA-256 of
-the key under the deployment secret ``SLUICE_OWNER_SECRET`` (plain SHA-256 when none is set), so
-Redis never holds a usable key, only the creating key can read or replay a request, and with a
-secret someone who reads Redis cannot test guessed keys against the stored ids either.
+the key under the deployment secret: ``SLUICE_OWNER_SECRET``, else one the first API replica
+generates into Redis (``state.load_owner_secret``). So Redis never holds a usable key, only the
+creating key can read or replay a request, and someone who reads the stored ids cannot test
+guessed keys against them without the secret as well.
+
+``/metrics`` is guarded by ``authorize_metrics``: ``SLUICE_METRICS_KEY`` when set, else any API
+key when keys are configured, else nothing (a deployment without keys has nothing to hide it by).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from fastapi import Request
 
 from shared.errors import AuthenticationFailed
 
-__all__ = ["authenticate", "owner_id", "presented_key"]
+__all__ = ["authenticate", "authorize_metrics", "owner_id", "presented_key"]
 
 _STATE_ATTR = "sluice_owner"
 
@@ -85,6 +89,28 @@ async def authenticate(request: Request) -> str:
             matched |= hmac.compare_digest(candidate.encode(), key.encode())
         if not matched:
             raise AuthenticationFailed("invalid API key")
-        owner = owner_id(key, settings.owner_secret)
+        owner = owner_id(key, request.app.state.sluice.owner_secret)
     setattr(request.state, _STATE_ATTR, owner)
     return owner
+
+
+async def authorize_metrics(request: Request) -> None:
+    """Guard ``GET /metrics``: per-route counts and latencies are no business of anonymous callers
+    where the API is locked.
+
+    Args:
+        request: the request.
+
+    Raises:
+        AuthenticationFailed: ``SLUICE_METRICS_KEY`` is set and was not presented, or it is unset,
+            API keys are configured and none of them was presented.
+    """
+    settings = request.app.state.sluice.settings
+    if not settings.metrics_key:
+        if settings.all_api_keys():
+            await authenticate(request)
+        return
+    # Only the metrics key: a scraper's credential should not be one that can generate text.
+    key = presented_key(request)
+    if key is None or not hmac.compare_digest(key.encode(), settings.metrics_key.encode()):
+        raise AuthenticationFailed("/metrics needs 'Authorization: Bearer <SLUICE_METRICS_KEY>'")

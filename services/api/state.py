@@ -21,7 +21,7 @@ from services.api.wire.reasoning_tokens import ReasoningSigner, derive_key
 from shared import keys
 from shared.config import Settings
 
-__all__ = ["AppState", "get_state", "load_reasoning_key"]
+__all__ = ["AppState", "get_state", "load_owner_secret", "load_reasoning_key"]
 
 
 @dataclass
@@ -36,6 +36,7 @@ class AppState:
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
     background: set[asyncio.Task[None]] = field(default_factory=set)  # fire-and-forget work
     reasoning_key: bytes = b""  # signs thinking blocks and encrypted_content (lifespan sets it)
+    owner_secret: str = ""  # HMAC key of owner ids (lifespan sets it; ``auth.owner_id``)
 
     @property
     def signer(self) -> ReasoningSigner:
@@ -58,9 +59,33 @@ async def load_reasoning_key(redis: aioredis.Redis, settings: Settings) -> bytes
     """
     if settings.reasoning_secret:
         return derive_key(settings.reasoning_secret.encode())
-    await redis.set(keys.reasoning_secret(), secrets.token_hex(32), nx=True)
-    stored = await redis.get(keys.reasoning_secret())
-    return derive_key(stored if isinstance(stored, bytes) else str(stored).encode())
+    return derive_key((await _shared_secret(redis, keys.reasoning_secret())).encode())
+
+
+async def load_owner_secret(redis: aioredis.Redis, settings: Settings) -> str:
+    """The HMAC key of owner ids: the configured secret, else one shared through Redis.
+
+    Generated like the reasoning secret (``load_reasoning_key``), so that without
+    ``SLUICE_OWNER_SECRET`` the stored owner ids are keyed too, and the same on every replica.
+
+    Args:
+        redis: the app's Redis client.
+        settings: the settings (``owner_secret``).
+
+    Returns:
+        The secret.
+    """
+    if settings.owner_secret:
+        return settings.owner_secret
+    return await _shared_secret(redis, keys.owner_secret())
+
+
+async def _shared_secret(redis: aioredis.Redis, key: str) -> str:
+    """The secret at ``key``: the first replica to start writes it (``SET NX``), every other
+    one reads the same value. It never expires."""
+    await redis.set(key, secrets.token_hex(32), nx=True)
+    stored = await redis.get(key)
+    return stored.decode() if isinstance(stored, bytes) else str(stored)
 
 
 def get_state(request: Request) -> AppState:

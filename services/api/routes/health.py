@@ -4,8 +4,10 @@
 one worker's heartbeat is live; otherwise 503 with what is missing. A heartbeat counts only if it
 was written since the Redis server started: after a restart from an AOF the restored heartbeats
 of workers that died with it would otherwise read as live for a lease TTL. ``/metrics`` is this
-process's Prometheus exposition (``services/api/metrics.py``), unauthenticated like the probes:
-it carries counts and model names, never request content. ``/readyz``'s ``redis_memory`` shows
+process's Prometheus exposition (``services/api/metrics.py``): counts and model names, never
+request content, yet per-route traffic is no anonymous caller's business where the API is locked,
+so it needs ``SLUICE_METRICS_KEY`` when set, else an API key when keys are set
+(``auth.authorize_metrics``). ``/readyz``'s ``redis_memory`` shows
 Redis's ``used_memory`` against its ``maxmemory``: a Redis filling up is seen before it refuses
 writes (it does not make the probe fail: admission answers a full Redis with a 503 itself).
 """
@@ -15,9 +17,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.api.auth import authorize_metrics
 from services.api.metrics import CONTENT_TYPE
 from services.api.state import get_state
 from services.redis_oom import read_memory
@@ -70,7 +73,7 @@ async def _started_ms(redis: Any) -> float:
     return (time.time() - int(info["uptime_in_seconds"]) + 1) * 1000
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(authorize_metrics)])
 async def metrics(request: Request) -> Response:
     """Prometheus exposition of this API process, plus the queue gauges read from Redis."""
     state = get_state(request)
