@@ -31,7 +31,13 @@ __all__ = [
 ]
 
 Role = Literal["system", "user", "assistant", "tool"]
-Origin = Literal["openai_chat", "openai_responses", "anthropic_messages", "native"]
+Origin = Literal[
+    "openai_chat",
+    "openai_responses",
+    "anthropic_messages",
+    "openai_completions",
+    "native",
+]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 JsonObject = dict[str, object]
 
@@ -167,6 +173,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # False (``store: false``): nothing is kept past the end but a short resume window
     # (``unstored_retention_s``), and the retrieve routes answer 404 as if it never existed.
     store: bool = True
+    # True (legacy completions): the generated text is the answer exactly as written, reasoning
+    # markers included. A raw prompt has no chat turns, so there is no reasoning block or tool
+    # call to route apart; the worker decodes without its reasoning router and tool parser.
+    raw_text: bool = False
 
 
 class Job(GenerateRequest, frozen=True, kw_only=True):

@@ -30,7 +30,16 @@ from services.api.cluster_hub import ClusterStreamHub
 from services.api.error_handlers import install_error_handlers
 from services.api.hub import StreamHub
 from services.api.metrics import ApiMetrics
-from services.api.routes import chat, health, messages, models, native, responses
+from services.api.routes import (
+    chat,
+    completions,
+    health,
+    messages,
+    models,
+    native,
+    responses,
+    tokenize,
+)
 from services.api.sse_asgi import SERVER_SEND
 from services.api.start_timeout import sweep_loop
 from services.api.state import AppState, load_owner_secret, load_reasoning_key
@@ -186,5 +195,5 @@ def create_app(settings: Settings) -> FastAPI:
 def _mount(app: FastAPI) -> None:
     guarded = [Depends(authenticate)]
     app.include_router(health.router)
-    for module in (native, models, chat, responses, messages):
+    for module in (native, models, chat, completions, responses, messages, tokenize):
         app.include_router(module.router, dependencies=guarded)

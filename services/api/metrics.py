@@ -43,6 +43,7 @@ XREAD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 _FORMATS = (
     ("/v1/chat/completions", "openai_chat"),
+    ("/v1/completions", "openai_completions"),
     ("/v1/responses", "openai_responses"),
     ("/v1/messages", "anthropic_messages"),
     ("/v1/requests", "native"),

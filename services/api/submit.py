@@ -56,13 +56,21 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = None) -> Job:
+async def submit(
+    state: AppState,
+    job: GenerateRequest,
+    *,
+    owner: str | None = None,
+    prompt: RenderedPrompt | None = None,
+) -> Job:
     """Validate, render and tokenize a request, then store and enqueue it as a ``Job``.
 
     Args:
         state: the app state.
         job: the canonical request; ``request_id`` may be empty (one is assigned).
         owner: the caller's owner id from ``authenticate``; None keeps ``job.owner``.
+        prompt: the prompt already tokenized (legacy completions: raw text, no template);
+            None renders ``job.messages`` through the chat template.
 
     Returns:
         The job as enqueued: the request with ``request_id``, ``prompt_token_ids``,
@@ -77,7 +85,7 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
         Unavailable: Redis refused to store the request (``maxmemory`` reached).
     """
     try:
-        return await _admit(state, job, owner)
+        return await _admit(state, job, owner, prompt)
     except OverflowError as exc:
         # The job is msgpack, which holds 64-bit integers: a larger one in free-form JSON (a tool
         # schema, chat_template_kwargs) fails the encoder, before anything is written.
@@ -89,13 +97,15 @@ async def submit(state: AppState, job: GenerateRequest, *, owner: str | None = N
         raise
 
 
-async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Job:
+async def _admit(
+    state: AppState, job: GenerateRequest, owner: str | None, prompt: RenderedPrompt | None
+) -> Job:
     loaded = await state.cards.get(job.model)
     if not await state.cards.has_worker(job.model):
         raise NoWorker(f"no worker is serving '{job.model}' right now", retry_after=5)
     if job.max_tokens is not None and job.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-    rendered = await render_prompt(loaded.renderer, job)
+    rendered = prompt or await render_prompt(loaded.renderer, job)
     prompt_ids = list(rendered.token_ids)
     context = loaded.card.context_length
     wanted = job.max_tokens or 1
@@ -104,7 +114,7 @@ async def _admit(state: AppState, job: GenerateRequest, owner: str | None) -> Jo
             f"This model's maximum context length is {context} tokens. However, you requested "
             f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the messages, {wanted} in "
             "the completion). Please reduce the length of the messages or completion.",
-            param="messages",
+            param="messages" if prompt is None else "prompt",
             prompt_tokens=len(prompt_ids),
             max_tokens=wanted,
             context_length=context,

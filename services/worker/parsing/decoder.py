@@ -102,10 +102,12 @@ class OutputDecoder:
         self.reasoning_tokens = 0
         self.calls_completed = 0
         self._eos = set() if job.ignore_eos else set(card.eos_token_ids)
+        # A raw-text job (legacy completions) keeps reasoning markers in its text: no router.
+        markers = None if job.raw_text else card.reasoning
         self._router = ReasoningRouter(
-            card.reasoning, inside=starts_in_reasoning, budget=reasoning_budget(job.reasoning)
+            markers, inside=starts_in_reasoning, budget=reasoning_budget(job.reasoning)
         )
-        use_tools = bool(job.tools) and job.tool_choice.mode != "none"
+        use_tools = bool(job.tools) and job.tool_choice.mode != "none" and not job.raw_text
         self._tools = tool_markers(card.tools, job) if use_tools else None
         named = job.tool_choice.name if job.tool_choice.mode == "named" else None
         self._tool_names = {named} if named else {t.name for t in job.tools}

@@ -1,0 +1,208 @@
+"""OpenAI legacy Completions request (``/v1/completions``): the body's Struct and the job.
+
+Owns only the inbound direction: JSON body -> ``GenerateRequest`` (no messages: the prompt is
+raw text, tokenized by ``prompt``) plus the options the route and projector need. No I/O.
+Every rejection is an ``InvalidRequest`` naming its ``param`` (OpenAI's 400, never a 422).
+
+One choice per request: a batch of prompts, ``n > 1`` or ``best_of > 1`` is a 400 for now
+(multi-choice requests are their own piece of work). ``max_tokens`` defaults to 16, as OpenAI's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from services.api.wire.common import WireInt, check_range, decode_body, error_location
+from shared.errors import InvalidRequest
+from shared.jobs import GenerateRequest, ReasoningControl, SamplingParams
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "MAX_LOGPROBS",
+    "CompletionOptions",
+    "CompletionRequest",
+    "ParsedCompletion",
+    "parse_request",
+]
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for this endpoint
+MAX_LOGPROBS = 20  # OpenAI allows 5; vLLM 20, which the worker's top-k logprobs also bound
+
+
+class _StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
+    include_usage: bool | None = None
+
+
+class CompletionRequest(msgspec.Struct, forbid_unknown_fields=False):
+    """The Completions body; unknown fields are accepted and ignored, as OpenAI's are."""
+
+    model: str
+    # A string, a list of strings, token ids, or a list of token-id lists: msgspec cannot put
+    # several array types in one union, so the shape is checked by hand (``_prompt``).
+    prompt: str | list[Any]
+    suffix: str | None = None
+    max_tokens: WireInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: WireInt | None = None
+    min_p: float | None = None
+    n: WireInt | None = None
+    best_of: WireInt | None = None
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    logprobs: WireInt | None = None
+    echo: bool | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None
+    min_tokens: WireInt | None = None
+
+
+class CompletionOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What the route and projector need beyond the job."""
+
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None  # the legacy int: how many alternatives per token
+
+
+class ParsedCompletion(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated request: the job (prompt not yet tokenized), the prompt and the options."""
+
+    job: GenerateRequest
+    prompt: str | list[int]  # raw text, or token ids the client tokenized itself
+    suffix: str | None
+    options: CompletionOptions
+
+
+_DECODER = msgspec.json.Decoder(CompletionRequest)
+
+
+def parse_request(body: bytes, *, request_id: str) -> ParsedCompletion:
+    """Decode and validate a Completions body.
+
+    Args:
+        body: the raw request body.
+        request_id: the id the job will carry.
+
+    Returns:
+        The job (``raw_text``, no messages), the prompt and the projector options.
+
+    Raises:
+        InvalidRequest: bad JSON or field types, out-of-range values, or something sluice does
+            not implement (several prompts, ``n``/``best_of`` > 1, ``logit_bias``, ``echo``
+            with ``suffix``).
+    """
+    req = decode_body(_DECODER, body, _invalid)
+    _check_unsupported(req)
+    prompt = _prompt(req.prompt)
+    logprobs = req.logprobs
+    check_range(logprobs, 0, MAX_LOGPROBS, "logprobs")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise InvalidRequest("min_tokens must not be negative", param="min_tokens")
+    job = GenerateRequest(
+        request_id=request_id,
+        model=req.model,
+        origin="openai_completions",
+        sampling=_sampling(req),
+        max_tokens=req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS,
+        min_tokens=req.min_tokens or 0,
+        ignore_eos=bool(req.ignore_eos),
+        stop=_stop(req.stop),
+        # Nobody reads reasoning apart here: the text keeps the model's markers (``raw_text``).
+        reasoning=ReasoningControl(visible=True),
+        raw_text=True,
+        user=req.user,
+    )
+    options = CompletionOptions(
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        echo=bool(req.echo),
+        logprobs=logprobs,
+    )
+    return ParsedCompletion(job=job, prompt=prompt, suffix=req.suffix, options=options)
+
+
+def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
+    message = str(exc)
+    return InvalidRequest(message, param=error_location(message)[1])
+
+
+def _check_unsupported(req: CompletionRequest) -> None:
+    multi = "sluice returns one choice per request for now"
+    if req.n is not None and req.n != 1:
+        raise InvalidRequest(f"n > 1 is not supported yet: {multi}", param="n")
+    if req.best_of is not None and req.best_of != 1:
+        raise InvalidRequest(f"best_of > 1 is not supported yet: {multi}", param="best_of")
+    if req.logit_bias:
+        raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+    if req.echo and req.suffix is not None:
+        # OpenAI refuses the pair too: the echoed prompt would have a hole in it.
+        raise InvalidRequest("echo and suffix cannot be used together", param="echo")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt(raw: str | list[Any]) -> str | list[int]:
+    """The one prompt: a string, a list holding one string, or one list of token ids."""
+    if isinstance(raw, str):
+        return raw
+    if not raw:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if all(_is_int(v) for v in raw):
+        return [int(v) for v in raw]
+    one = raw[0] if len(raw) == 1 else None
+    if isinstance(one, str):
+        return one
+    if isinstance(one, list) and one and all(_is_int(v) for v in one):
+        return [int(v) for v in one]
+    if len(raw) > 1 and all(isinstance(v, str | list) for v in raw):
+        raise InvalidRequest(
+            f"a batch of {len(raw)} prompts is not supported yet: send one prompt per request",
+            param="prompt",
+        )
+    raise InvalidRequest(
+        "prompt must be a string, a list of one string, or a list of token ids", param="prompt"
+    )
+
+
+def _sampling(req: CompletionRequest) -> SamplingParams:
+    check_range(req.temperature, 0.0, 2.0, "temperature")
+    check_range(req.top_p, 0.0, 1.0, "top_p")
+    check_range(req.min_p, 0.0, 1.0, "min_p")
+    check_range(req.presence_penalty, -2.0, 2.0, "presence_penalty")
+    check_range(req.frequency_penalty, -2.0, 2.0, "frequency_penalty")
+    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
+        raise InvalidRequest("repetition_penalty must be positive", param="repetition_penalty")
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        # vLLM's convention: top_k 0 or -1 means "no top-k"
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
+        min_p=req.min_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+    )
+
+
+def _stop(raw: str | list[str] | None) -> list[str]:
+    if raw is None:
+        return []
+    stops = [raw] if isinstance(raw, str) else raw
+    return [s for s in stops if s]
