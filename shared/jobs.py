@@ -37,6 +37,7 @@ Origin = Literal[
     "anthropic_messages",
     "openai_completions",
     "native",
+    "ollama",
 ]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 JsonObject = dict[str, object]

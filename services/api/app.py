@@ -37,6 +37,7 @@ from services.api.routes import (
     messages,
     models,
     native,
+    ollama,
     responses,
     tokenize,
 )
@@ -195,5 +196,5 @@ def create_app(settings: Settings) -> FastAPI:
 def _mount(app: FastAPI) -> None:
     guarded = [Depends(authenticate)]
     app.include_router(health.router)
-    for module in (native, models, chat, completions, responses, messages, tokenize):
+    for module in (native, models, chat, completions, responses, messages, tokenize, ollama):
         app.include_router(module.router, dependencies=guarded)

@@ -3,9 +3,10 @@
 Every error a client sees before the headers leaves through here: ``ServiceError`` subclasses
 raised anywhere in a request, FastAPI's validation errors (never its 422 ``detail`` body),
 Starlette's 404/405, and unhandled exceptions. Paths under ``/v1/messages`` get Anthropic's
-envelope (``wire.anthropic_messages.errors``), everything else OpenAI's (``wire.openai_errors``),
-since each SDK only parses its own. Mid-stream errors are not handled here; after the headers
-are sent the projector's in-band error frame is the only channel.
+envelope (``wire.anthropic_messages.errors``), paths under ``/api/`` Ollama's (``wire.ollama``),
+everything else OpenAI's (``wire.openai_errors``), since each SDK only parses its own.
+Mid-stream errors are not handled here; after the headers are sent the projector's in-band
+error frame is the only channel.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from redis.exceptions import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from services.api.wire import anthropic_messages, openai_errors
+from services.api.wire import anthropic_messages, ollama, openai_errors
 from services.redis_oom import OOM_MESSAGE, is_oom
 from shared.errors import InvalidRequest, NotFound, ServiceError, Unavailable
 
@@ -47,6 +48,8 @@ def error_response(request: Request, err: ServiceError) -> JSONResponse:
         A JSON response with ``Retry-After`` when the error carries ``retry_after``.
     """
     envelope = anthropic_messages.error_body if _is_anthropic(request) else openai_errors.error_body
+    if request.url.path.startswith("/api/"):
+        envelope = ollama.error_body
     status, body = envelope(err)
     headers = {}
     if err.retry_after is not None:

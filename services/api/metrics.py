@@ -47,6 +47,8 @@ _FORMATS = (
     ("/v1/responses", "openai_responses"),
     ("/v1/messages", "anthropic_messages"),
     ("/v1/requests", "native"),
+    ("/api/chat", "ollama"),
+    ("/api/generate", "ollama"),
 )
 
 

@@ -17,7 +17,9 @@ creation; past it, ``start_timeout.claim_unstarted`` ends the request with a ret
 ``Error(overloaded)`` unless a worker holds it, and that Error reaches every watcher through the
 stream like any other event. A silent tail is also checked by ``stream_watch``: a log that vanished
 (Redis restarted without persistence) or a stream nobody has leased for longer than the lease TTL
-plus a margin ends with a retryable ``worker_lost`` error (``StreamLost``).
+plus a margin ends with a retryable ``worker_lost`` error (``StreamLost``). A projector with
+``ndjson`` set streams newline-delimited JSON instead of SSE (``wire.ndjson``): the same
+pipeline, its frames one line each, no ids and no keepalives.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from services.api.state import AppState
 from services.api.stream_ids import parse_id
 from services.api.stream_watch import StreamLost, StreamWatch
 from services.api.submit import cancel
-from services.api.wire import sse
+from services.api.wire import ndjson, sse
 from services.redis_oom import OOM_MESSAGE, is_oom
 from shared import keys
 from shared.codec import decode_entry
@@ -62,7 +64,8 @@ class Projector(Protocol):
     """Turns events into one wire format's SSE frames; pure (no I/O, no clock, no ids).
 
     Optional attributes, looked up once per stream: ``coalesce`` (True: fold a backlog's deltas
-    before feeding them) and ``stamp(entry_id)`` (told each event's entry id before its feed).
+    before feeding them), ``stamp(entry_id)`` (told each event's entry id before its feed) and
+    ``ndjson`` (True: frames are NDJSON lines, not SSE events).
     """
 
     def feed(self, event: AnyEvent) -> list[sse.Frame]:
@@ -196,12 +199,13 @@ def _encode(
     projector: Projector,
     stamp: Callable[[str], None] | None,
     rec: access.AccessRecord | None,
+    encode: Callable[..., bytes] = sse.encode,
 ) -> list[bytes]:
     """One batch's SSE bytes, frame by frame (the format's end after a terminal event)."""
     # Per event, this loop's cost is the process's: the bound methods are looked up once, and
     # one frame (the usual case) is encoded without a slice or a generator.
     out: list[bytes] = []
-    feed, encode = projector.feed, sse.encode
+    feed = projector.feed
     for entry_id, event, ends in items:
         if stamp is not None:
             stamp(entry_id)
@@ -225,7 +229,9 @@ async def _frames(
     keepalive: sse.Frame | None,
     ending: Ending,
 ) -> AsyncGenerator[bytes, None]:
-    ping = sse.encode(keepalive) if keepalive is not None else sse.comment()
+    lines = bool(getattr(projector, "ndjson", False))
+    encode = ndjson.encode if lines else sse.encode
+    ping = b"" if lines else sse.encode(keepalive) if keepalive is not None else sse.comment()
     finished = False
     rec = access.record()
     began = time.perf_counter()
@@ -238,23 +244,24 @@ async def _frames(
         async with contextlib.aclosing(_batches(state, rid, after)) as batches:
             async for batch in batches:
                 if not batch:
-                    yield ping
+                    if ping:
+                        yield ping
                     continue
                 if rec is not None and rec.ttft_ms is None:
                     rec.ttft_ms = round((time.perf_counter() - began) * 1000, 1)
-                out = _encode(fold_deltas(batch) if folds else batch, projector, stamp, rec)
+                out = _encode(fold_deltas(batch) if folds else batch, projector, stamp, rec, encode)
                 # A batch holds at most one terminal event, as its last item (``_batches``).
                 finished = type(batch[-1][1]) in TERMINAL
                 if out:
                     yield out[0] if len(out) == 1 else b"".join(out)
         if not finished:  # resumed after the terminal entry: only the format's end is left
             finished = True
-            if end := b"".join(sse.encode(f) for f in projector.close()):
+            if end := b"".join(encode(f, None) for f in projector.close()):
                 yield end
     except StreamLost as exc:  # nothing will end this stream: a retryable error ends it here
         finished = True
         lost = Error(kind="worker_lost", message=exc.message, retryable=True)
-        yield b"".join(sse.encode(f) for f in [*projector.feed(lost), *projector.close()])
+        yield b"".join(encode(f, None) for f in [*projector.feed(lost), *projector.close()])
     except Exception as exc:  # boundary: after the headers, errors travel in-band only
         logger.exception("stream of %s failed", rid)
         finished = True
@@ -263,7 +270,7 @@ async def _frames(
         if is_oom(exc):  # e.g. the start timeout's write refused by a full Redis
             error = Error(kind="overloaded", message=OOM_MESSAGE, retryable=True)
         with contextlib.suppress(Exception):
-            yield b"".join(sse.encode(f) for f in [*projector.feed(error), *projector.close()])
+            yield b"".join(encode(f, None) for f in [*projector.feed(error), *projector.close()])
     finally:
         ending.finished = finished
 
@@ -302,11 +309,12 @@ def sse_response(
     def abandon() -> None:  # client gone before the end
         _spawn(state, _cancel_unless_resumed(state, rid))
 
+    framing = ndjson.HEADERS if getattr(projector, "ndjson", False) else sse.HEADERS
     return SSEResponse(
         _frames(state, rid, projector, after, keepalive, ending),
         ending,
         abandon if cancel_on_disconnect else None,
-        {**sse.HEADERS, **(headers or {})},
+        {**framing, **(headers or {})},
     )
 
 
