@@ -65,7 +65,13 @@ async def test_codex_requests_stream_to_completion(
 
 
 @pytest.mark.parametrize(
-    "name", ["claude-code-2.1.332-messages.json", "claude-code-2.1.332-messages-full-tools.json"]
+    "name",
+    [
+        "claude-code-2.1.332-messages.json",
+        "claude-code-2.1.332-messages-full-tools.json",
+        # thinking: enabled with display "updates", which sluice once refused (issue 28)
+        "claude-code-2.1.332-messages-thinking-updates.json",
+    ],
 )
 async def test_claude_code_requests_get_anthropics_overflow_then_stream(
     api: str, worker: WorkerHandle, name: str
@@ -83,5 +89,8 @@ async def test_claude_code_requests_get_anthropics_overflow_then_stream(
         retry = {**body, "max_tokens": limit - prompt}  # what Claude Code does with the numbers
         async with client.stream("POST", "/v1/messages?beta=true", json=retry) as response:
             assert response.status_code == 200, await response.aread()
+            ignored = response.headers["x-sluice-ignored-fields"].split(",")
             events = await _events(response)
+    assert ignored[0] == "context_management"
+    assert ("thinking.display" in ignored) == ("updates" in name), ignored
     assert events[0] == "message_start" and events[-1] == "message_stop", events

@@ -22,6 +22,7 @@ from services.api.streaming import collect_events, sse_response
 from services.api.submit import new_request_id, submit
 from services.api.wire import openai_chat
 from services.api.wire.common import IGNORED_TOOLS_HEADER, service_error
+from services.api.wire.extra_fields import IGNORED_FIELDS_HEADER
 from shared.accumulate import fold
 from shared.jobs import GenerateRequest
 
@@ -68,6 +69,8 @@ async def create_chat_completion(request: Request) -> Response:
     headers = {"x-request-id": job.request_id}
     if parsed.ignored_tools:
         headers[IGNORED_TOOLS_HEADER] = ",".join(parsed.ignored_tools)
+    if parsed.ignored_fields:
+        headers[IGNORED_FIELDS_HEADER] = ",".join(parsed.ignored_fields)
     if not parsed.options.stream:
         return await _completion(state, request, ctx, headers)
     return sse_response(state, request, job.request_id, openai_chat.Projector(ctx), headers=headers)

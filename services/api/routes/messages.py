@@ -22,6 +22,7 @@ from services.api.streaming import collect_events, sse_response
 from services.api.submit import new_request_id, render_prompt, submit
 from services.api.wire import anthropic_messages
 from services.api.wire.common import IGNORED_TOOLS_HEADER
+from services.api.wire.extra_fields import IGNORED_FIELDS_HEADER
 from shared.accumulate import fold
 from shared.jobs import GenerateRequest, Job
 
@@ -46,7 +47,8 @@ async def create_message(request: Request) -> Response:
     """Create a message, streamed as Anthropic SSE when ``stream`` is true."""
     state = get_state(request)
     owner = await authenticate(request)
-    req = anthropic_messages.parse_request(await request.body())
+    raw = await request.body()
+    req = anthropic_messages.parse_request(raw)
     req = anthropic_messages.restore_thinking(req, state.signer)
     job = anthropic_messages.build_job(req, request_id=new_request_id("msg"))
     job = await submit(state, job, owner=owner)
@@ -55,6 +57,8 @@ async def create_message(request: Request) -> Response:
     ignored = anthropic_messages.ignored_tools(req)
     if ignored:
         headers[IGNORED_TOOLS_HEADER] = ",".join(ignored)
+    if fields := anthropic_messages.ignored_fields(raw, req):
+        headers[IGNORED_FIELDS_HEADER] = ",".join(fields)
     if req.stream:
         projector = anthropic_messages.Projector(ctx)
         return sse_response(state, request, rid, projector, keepalive=_PING, headers=headers)

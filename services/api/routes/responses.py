@@ -22,6 +22,7 @@ from services.api.streaming import collect_events, sse_response, tail
 from services.api.submit import cancel, new_request_id, submit
 from services.api.wire import openai_responses
 from services.api.wire.common import service_error
+from services.api.wire.extra_fields import IGNORED_FIELDS_HEADER
 from shared.accumulate import fold
 from shared.errors import InvalidRequest
 
@@ -46,7 +47,8 @@ async def create_response(request: Request) -> Response:
     """Create a response (OpenAI Responses wire format)."""
     state = get_state(request)
     owner = await authenticate(request)
-    req = openai_responses.parse_request(await request.body())
+    raw = await request.body()
+    req = openai_responses.parse_request(raw)
     rid = new_request_id("resp")
     history = []
     if req.previous_response_id is not None:
@@ -65,6 +67,8 @@ async def create_response(request: Request) -> Response:
     ignored = openai_responses.tool_set(req).ignored
     if ignored:  # hosted tools were accepted but not offered to the model: say which
         headers[openai_responses.IGNORED_TOOLS_HEADER] = ",".join(ignored)
+    if fields := openai_responses.ignored_fields(raw, req):
+        headers[IGNORED_FIELDS_HEADER] = ",".join(fields)
     echo = msgspec.structs.replace(echo, created_at=int(job.created))
     if echo.store:
         items = openai_responses.input_items(req.input, rid)

@@ -69,3 +69,14 @@ def test_claude_code_request_renders_with_its_defaults(path: Path) -> None:
     # Claude Code puts a role "system" turn after the user's (its reminders); both are kept.
     assert [m.role for m in job.messages][-2:] == ["user", "system"]
     assert job.messages[-2].text.endswith("say hi")
+
+
+def test_claude_code_thinking_display_updates_is_accepted_and_named() -> None:
+    # Claude Code 2.1.332 sends display "updates"; sluice answered 400 `Invalid enum value`.
+    raw = (FIXTURES / "claude-code-2.1.332-messages-thinking-updates.json").read_bytes()
+    req = anthropic_messages.parse_request(raw)
+    assert req.thinking is not None and req.thinking.display == "updates"
+    job = anthropic_messages.build_job(req, request_id="msg_x")
+    assert job.reasoning.visible and job.reasoning.budget_tokens == 31999
+    fields = anthropic_messages.ignored_fields(raw, req)
+    assert fields == ["context_management", "thinking.display"]

@@ -34,6 +34,7 @@ from services.api.wire.anthropic_messages.request_types import (
 )
 from services.api.wire.common import decode_body, error_location, reasoning_effort
 from services.api.wire.constraints import anthropic_format, check_tool_schemas
+from services.api.wire.extra_fields import extra_fields, refuse
 from shared.errors import InvalidRequest
 from shared.jobs import (
     Constraint,
@@ -91,6 +92,7 @@ def parse_count_tokens_request(body: bytes) -> MessagesRequest:
         InvalidRequest: as for ``parse_request``, except for ``max_tokens``.
     """
     req = decode_body(_DECODER, body, _validation_error)
+    refuse(extra_fields(body, MessagesRequest))
     _validate(req)
     return req
 
@@ -263,7 +265,7 @@ def _reasoning(req: MessagesRequest) -> ReasoningControl:
     thinking = req.thinking
     if thinking is None:
         return ReasoningControl(effort=mapped, explicit=mapped is not None)
-    if thinking.type == "disabled":
+    if thinking.type in ("disabled", "between_tools"):
         return ReasoningControl(effort="none", explicit=True)
     return ReasoningControl(
         effort=mapped,

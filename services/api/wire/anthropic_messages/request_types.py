@@ -105,14 +105,19 @@ class ToolChoiceParam(msgspec.Struct, frozen=True):
 
 
 class ThinkingParam(msgspec.Struct, frozen=True):
-    """How much to think: ``enabled`` (with a budget), ``disabled`` or ``adaptive``.
+    """How much to think: ``enabled`` (with a budget), ``disabled``, ``adaptive`` or
+    ``between_tools`` (thinking off; Anthropic's models may still write short progress notes
+    between tool calls, which a local model does not, so it is ``disabled`` here).
 
     ``budget_tokens`` counts toward ``max_tokens``; ``display: "omitted"`` hides the text.
+    ``"updates"`` (Claude Code 2.1.332 sends it) asks for progress updates instead of the
+    thinking; sluice has no such summariser, so it shows the thinking as ``"summarized"`` does
+    and names ``thinking.display`` in ``x-sluice-ignored-fields``.
     """
 
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Annotated[int, Meta(ge=1, le=_MAX)] | None = None
-    display: Literal["summarized", "omitted"] | None = None
+    display: Literal["summarized", "omitted", "updates"] | None = None
 
 
 class OutputConfig(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ from services.api.wire.constraints import (
     chat_constraint,
     check_tool_schemas,
 )
+from services.api.wire.extra_fields import REFUSED_EVERYWHERE, extra_fields, refuse
 from services.api.wire.openai_chat.tools import ChatTool, parse_tool_choice, parse_tools
 from shared.errors import InvalidRequest
 from shared.jobs import (
@@ -111,6 +112,7 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     min_tokens: WireInt | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None  # ["text"] is all sluice answers with
     # OpenAI's default is false, but sluice keeps every chat answer retrievable by id unless the
     # client says otherwise: only an explicit false makes the request unstored.
     store: bool | None = None
@@ -130,9 +132,18 @@ class ParsedChat(msgspec.Struct, frozen=True, kw_only=True):
     job: GenerateRequest
     options: ChatOptions
     ignored_tools: list[str] = []  # custom tools' names: accepted, not offered to the model
+    ignored_fields: list[str] = []  # undeclared top-level fields: accepted, not acted on
 
 
 _DECODER = msgspec.json.Decoder(ChatRequest)
+# Undeclared fields that would change the answer in a way sluice cannot honour; any other is
+# accepted and named in x-sluice-ignored-fields (prompt-cache options, service_tier, ...).
+_REFUSED = {
+    **REFUSED_EVERYWHERE,
+    "audio": "audio output is not supported: sluice answers with text only",
+    "functions": "functions is not supported: declare them as tools",
+    "function_call": "function_call is not supported: use tool_choice",
+}
 
 
 def parse_request(
@@ -154,6 +165,7 @@ def parse_request(
             schema, regex, choice list or grammar that does not compile.
     """
     req = decode_body(_DECODER, body, _invalid)
+    ignored_fields = refuse(extra_fields(body, ChatRequest), _REFUSED)
     _check_unsupported(req)
     include_reasoning = bool(req.include_reasoning) or include_reasoning_header
     kwargs = dict(req.chat_template_kwargs or {})
@@ -185,7 +197,9 @@ def parse_request(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         include_reasoning=include_reasoning,
     )
-    return ParsedChat(job=job, options=options, ignored_tools=ignored)
+    return ParsedChat(
+        job=job, options=options, ignored_tools=ignored, ignored_fields=ignored_fields
+    )
 
 
 def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
@@ -199,6 +213,8 @@ def _check_unsupported(req: ChatRequest) -> None:
         raise InvalidRequest("n must be 1: sluice returns one choice per request", param="n")
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+    if any(m != "text" for m in req.modalities or []):
+        raise InvalidRequest("modalities: sluice answers with text only", param="modalities")
     if not req.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
 

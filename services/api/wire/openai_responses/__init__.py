@@ -4,9 +4,10 @@
 input items (and a stored response's output) into conversation turns, ``types`` holds the
 response object, its items, its stream events and the ``Context``, ``projector`` streams events,
 and ``render`` builds the ``Response`` from the fold of the same events. Errors use OpenAI's
-envelope (``wire.openai_errors``).
+envelope (``wire.openai_errors``); ``fields`` names what was accepted without effect.
 """
 
+from services.api.wire.openai_responses.fields import ignored_fields
 from services.api.wire.openai_responses.input_list import input_items, page
 from services.api.wire.openai_responses.items import items_to_messages
 from services.api.wire.openai_responses.projector import Projector
@@ -28,6 +29,7 @@ __all__ = [
     "Response",
     "build_job",
     "entry_seconds",
+    "ignored_fields",
     "input_items",
     "input_messages",
     "items_to_messages",

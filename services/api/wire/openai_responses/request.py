@@ -23,6 +23,7 @@ from services.api.wire.common import (
     undecodable,
 )
 from services.api.wire.constraints import check_tool_schemas, openai_format
+from services.api.wire.extra_fields import REFUSED_EVERYWHERE, extra_fields, refuse
 from services.api.wire.openai_responses.items import items_to_messages, validation_error
 from services.api.wire.openai_responses.tools import (
     HOSTED_TOOL_TYPES,
@@ -59,6 +60,8 @@ __all__ = [
 ]
 
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# A stored prompt template sluice cannot resolve would answer a different question.
+_REFUSED = {**REFUSED_EVERYWHERE, "prompt": "'prompt' (a stored prompt) is not supported"}
 
 
 class _Reasoning(msgspec.Struct, kw_only=True):
@@ -124,6 +127,7 @@ def parse_request(body: bytes) -> ResponsesRequest:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
     except UNDECODABLE as exc:
         raise undecodable(exc) from exc
+    refuse(extra_fields(body, ResponsesRequest), _REFUSED)
     _check_ranges(req)
     if req.conversation is not None:
         raise InvalidRequest(
