@@ -13,7 +13,10 @@ and then:
 * ``redis-aof`` / ``redis-no-aof``: SIGKILLs Redis once every stream has text, restarts it 0.8 s
   later (with its append-only file, ``appendfsync always``, or empty);
 * ``worker-kill``: SIGKILLs the worker serving all of them while a second worker is idle, then
-  times a new request from the kill to its last chunk and counts arq entries left behind.
+  times a new request from the kill to its last chunk and counts arq entries left behind;
+* ``redis-oom``: fills Redis to its ``maxmemory`` (``noeviction``) with a filler key once every
+  stream has text, holds it full for ``--oom-hold`` seconds (8) while a client keeps sending new
+  requests (their statuses are counted: 503 is the answer), then deletes the filler.
 
 Each stream ends as ``exact`` (the full answer, identical to the reference), ``error`` (a
 retryable error frame, then the format's end), ``wrong`` (ended with other text) or ``hung``
@@ -54,6 +57,8 @@ BODY = {
     "stream": True,
 }
 HANG_S = 30.0
+OOM_HEADROOM = 4 * 1024 * 1024  # maxmemory above what the idle stack uses
+OOM_PIECE = 256 * 1024  # the filler grows by this until Redis refuses it
 
 
 class Stack:
@@ -166,6 +171,46 @@ async def kill_round(n: int, expected: str) -> tuple[Counter[str], float, float,
         stack.close()
 
 
+async def oom_round(
+    n: int, expected: str, hold_s: float
+) -> tuple[Counter[str], float, Counter[int]]:
+    """``n`` streams through a Redis held full for ``hold_s``; (verdicts, longest wait after
+    memory was freed, statuses of the new requests sent meanwhile)."""
+    stack = Stack(aof=False)
+    statuses: Counter[int] = Counter()
+    try:
+        admin = stack.redis.client()
+        used = int(admin.info("memory")["used_memory"])
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", used + OOM_HEADROOM)
+
+        async def fill_hold_free() -> None:
+            for _ in range(4 * OOM_HEADROOM // OOM_PIECE):
+                try:
+                    admin.append("filler", b"x" * OOM_PIECE)
+                except Exception:  # redis' OutOfMemoryError: full
+                    break
+            # Hold it full: expiring and trimmed entries free a little memory now and then, and
+            # just past the limit Redis would take some writes again
+            admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) // 2)
+            ends = time.monotonic() + hold_s
+            async with httpx.AsyncClient(timeout=HANG_S) as client:
+                while time.monotonic() < ends:
+                    body = {**BODY, "stream": False, "max_tokens": 5}
+                    reply = await client.post(f"{stack.base}/v1/chat/completions", json=body)
+                    statuses[reply.status_code] += 1
+                    await asyncio.sleep(0.5)
+            admin.delete("filler")
+            admin.config_set("maxmemory", used + OOM_HEADROOM)
+
+        results, freed = await streams_through(stack, n, fill_hold_free)
+        ends = [r.ended_at - freed for r in results if isinstance(r, ChatStream)]
+        verdicts = Counter(verdict(r, expected) for r in results)
+        return verdicts, max(ends, default=float("nan")), statuses
+    finally:
+        stack.close()
+
+
 async def reference() -> str:
     stack = Stack(aof=False)
     try:
@@ -187,12 +232,14 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--oom-hold", type=float, default=8.0, help="seconds Redis stays full")
+    p.add_argument("--only", choices=["redis", "kill", "oom"], default=None)
     args = p.parse_args()
     expected = await reference()
     print("| scenario | streams tried | survived (exact text) | clear retryable error |"
           " lost (hung or wrong) | longest wait after the fault | notes |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for aof in (True, False):
+    for aof in (True, False) if args.only in (None, "redis") else ():
         total: Counter[str] = Counter()
         worst = 0.0
         for _ in range(args.rounds):
@@ -204,13 +251,26 @@ async def main() -> None:
     total = Counter()
     worst = fresh_worst = 0.0
     leftovers = 0
-    for _ in range(args.rounds):
+    for _ in range(args.rounds if args.only in (None, "kill") else 0):
         verdicts, wait, fresh_s, left = await kill_round(16, expected)
         total += verdicts
         worst, fresh_worst = max(worst, wait), max(fresh_worst, fresh_s)
         leftovers += left
-    note = f"new request done {fresh_worst:.1f} s after the kill; arq entries left: {leftovers}"
-    print(row("worker SIGKILL, 16 in flight", args.rounds * 16, total, worst, note))
+    if args.only in (None, "kill"):
+        note = f"new request done {fresh_worst:.1f} s after the kill; arq entries left: {leftovers}"
+        print(row("worker SIGKILL, 16 in flight", args.rounds * 16, total, worst, note))
+    if args.only in (None, "oom"):
+        total, worst, statuses = Counter(), 0.0, Counter()
+        for _ in range(args.rounds):
+            verdicts, wait, seen = await oom_round(16, expected, args.oom_hold)
+            total += verdicts
+            worst = max(worst, wait)
+            statuses += seen
+        note = "new requests meanwhile: " + ", ".join(
+            f"{n} x {code}" for code, n in sorted(statuses.items())
+        )
+        name = f"Redis full ({args.oom_hold:.0f} s, noeviction), 16 in flight"
+        print(row(name, args.rounds * 16, total, worst, note), flush=True)
 
 
 if __name__ == "__main__":
