@@ -88,7 +88,8 @@ def test_finish_without_any_delta_still_carries_the_role() -> None:
         Finish(reason="end_turn", token_ids=[2]),
     ]
     chunks = project(events)
-    assert deltas(chunks) == [{"role": "assistant", "content": ""}]
+    # refusal: null on the first chunk, as OpenAI sends it.
+    assert deltas(chunks) == [{"role": "assistant", "content": "", "refusal": None}]
     assert chunks[0]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
 
 
@@ -150,10 +151,10 @@ def test_reasoning_only_when_opted_in_under_the_configured_field(
 ) -> None:
     events = SCENARIOS["reasoning"]()
     hidden = deltas(project(events, msgspec.structs.replace(CTX, reasoning_field=field)))
-    assert hidden == [{"role": "assistant", "content": "Hi there."}, {}]
+    assert hidden == [{"role": "assistant", "content": "Hi there.", "refusal": None}, {}]
     ctx = msgspec.structs.replace(CTX, reasoning_field=field, include_reasoning=True)
     shown = deltas(project(events, ctx))
-    assert shown[0] == {"role": "assistant", "content": None} | dict.fromkeys(
+    assert shown[0] == {"role": "assistant", "content": None, "refusal": None} | dict.fromkeys(
         keys, "The user greets"
     )
     assert shown[1] == dict.fromkeys(keys, " me.")

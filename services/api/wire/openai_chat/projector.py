@@ -157,6 +157,7 @@ class Projector:
             if delta.content is UNSET:
                 only_role = delta.reasoning_content is UNSET and delta.reasoning is UNSET
                 delta.content = "" if only_role and delta.tool_calls is UNSET else None
+            delta.refusal = None  # OpenAI's first chunk says "no refusal"; strict parsers read it
             self._role_sent = True
         chunk = ChatCompletionChunk(
             id=self._ctx.id,

@@ -106,6 +106,7 @@ class Delta(msgspec.Struct):
 
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType | None = UNSET
+    refusal: UnsetType | None = UNSET  # null on the first chunk, as OpenAI sends it
     reasoning_content: str | UnsetType = UNSET
     reasoning: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET

@@ -230,22 +230,30 @@ class Response(msgspec.Struct, kw_only=True):
     object: Literal["response"] = "response"
     created_at: int
     status: ResponseStatus
+    # The newest SDK's fields for features sluice does not have: null, as the API sends them
+    # for a request that asked for none of them.
+    access_programs: _Json | None = None
     background: bool = False
     completed_at: int | None = None  # when the terminal event was logged
     conversation: _Json | None = None
     error: ResponseError | None = None
     frequency_penalty: float = 0.0
+    image: _Json | None = None
     incomplete_details: IncompleteDetails | None = None
+    input_transformations: list[_Json] | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
     model: str
+    moderation: _Json | None = None
     output: list[OutputItem] = []
     parallel_tool_calls: bool = True
     presence_penalty: float = 0.0
     previous_response_id: str | None = None
     prompt: _Json | None = None
+    prompt_cache_diagnostics: _Json | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_options: _Json | None = None
     prompt_cache_retention: str | None = None
     reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
     safety_identifier: str | None = None
@@ -254,6 +262,7 @@ class Response(msgspec.Struct, kw_only=True):
     temperature: float = 1.0
     text: TextConfig = msgspec.field(default_factory=TextConfig)
     tool_choice: str | _Json = "auto"  # echoed as sent
+    tool_usage: _Json | None = None
     tools: list[_Json] = []  # echoed as sent, hosted tools included
     top_logprobs: int = 0
     top_p: float = 1.0
