@@ -1,0 +1,61 @@
+"""Prompt-lookup drafts (``drafting.NgramIndex``) on crafted token lists: the longest suffix that
+occurred earlier proposes what followed its latest occurrence, and the index stays right as the
+list grows."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.drafting import NgramIndex
+
+
+def test_a_repeated_phrase_proposes_what_followed_it() -> None:
+    tokens = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3]
+    assert NgramIndex().propose(tokens, 3) == [4, 5, 6]
+
+
+def test_the_longest_suffix_wins_over_a_later_shorter_match() -> None:
+    # "2 3" followed by 7 most recently, but "1 2 3" (longer) was followed by 4
+    tokens = [1, 2, 3, 4, 8, 2, 3, 7, 1, 2, 3]
+    assert NgramIndex(max_n=3).propose(tokens, 1) == [4]
+    assert NgramIndex(max_n=2).propose(tokens, 1) == [7]  # "2 3": its latest occurrence
+
+
+def test_nothing_seen_before_proposes_nothing() -> None:
+    assert NgramIndex().propose([1, 2, 3, 4], 4) == []
+    assert NgramIndex().propose([], 4) == []
+    assert NgramIndex().propose([5], 4) == []
+
+
+def test_min_n_refuses_short_matches() -> None:
+    tokens = [1, 2, 9, 8, 2]  # only the 1-gram "2" occurred before
+    assert NgramIndex(min_n=1).propose(tokens, 2) == [9, 8]
+    assert NgramIndex(min_n=2).propose(tokens, 2) == []
+
+
+def test_a_loop_is_continued_past_the_end_of_what_is_written() -> None:
+    assert NgramIndex().propose([7, 7, 7], 4) == [7, 7, 7, 7]
+    assert NgramIndex().propose([5, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+
+
+def test_k_caps_the_draft() -> None:
+    tokens = [1, 2, 3, 4, 5, 6, 1]
+    assert NgramIndex().propose(tokens, 2) == [2, 3]
+    assert NgramIndex().propose(tokens, 0) == []
+
+
+def test_the_index_follows_appended_tokens() -> None:
+    """Incremental use gives what a fresh index over the whole list gives, at every length."""
+    tokens: list[int] = []
+    index = NgramIndex()
+    text = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    for t in text:
+        tokens.append(t)
+        assert index.propose(tokens, 3) == NgramIndex().propose(tokens, 3), tokens
+
+
+def test_bad_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="n-gram"):
+        NgramIndex(max_n=2, min_n=3)
+    with pytest.raises(ValueError, match="n-gram"):
+        NgramIndex(min_n=0)
