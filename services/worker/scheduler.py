@@ -28,10 +28,11 @@ from tokenizers import Tokenizer
 from services.worker.block_pool import root_hash
 from services.worker.constrain import Constrainer, PendingMasks
 from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.kv_cache import PagedKVCache, SeqRows, build_batch
+from services.worker.kv_cache import PagedKVCache, build_batch
 from services.worker.models.llama import LlamaConfig
 from services.worker.paging import Planner
 from services.worker.sequence import DecoderFactory, DecoderLike, SequenceState
+from services.worker.speculation import Speculator, forward_rows, split_logits
 from services.worker.token_choice import TokenChooser
 from shared.events import AnyEvent, FinishReason, Start, TokenLogprob
 
@@ -67,6 +68,7 @@ class Scheduler:
         model_id: str = "",
         constrainer: Constrainer | None = None,
         cuda_graphs: bool = False,
+        speculative_tokens: int = 0,
     ) -> None:
         """Allocate the cache (``num_blocks`` of ``block_size`` tokens); call ``start`` to run.
 
@@ -75,7 +77,8 @@ class Scheduler:
         decode-only step (``paging.StallGuard``; 0: the token budget alone);
         ``model_id`` salts the prefix cache's hashes; ``constrainer`` fills the token masks of
         sequences that carry a ``constraint``; ``cuda_graphs`` replays decode steps on a GPU
-        from graphs captured by ``start`` (``cuda_graphs.DecodeGraphs``).
+        from graphs captured by ``start`` (``cuda_graphs.DecodeGraphs``); ``speculative_tokens``
+        > 0 verifies that many prompt-lookup draft tokens a step (``speculation.py``, CPU only).
         """
         self.constrainer = constrainer
         cfg = cast(LlamaConfig, model.config)  # LlamaModel or a test double with its config
@@ -104,6 +107,8 @@ class Scheduler:
         )
         on_gpu = device.type == "cuda"
         self.chooser = TokenChooser(eos_ids, tokenizer, on_device=on_gpu)
+        on = speculative_tokens > 0 and not on_gpu
+        self.speculator = Speculator(speculative_tokens) if on else None
         self.graphs: DecodeGraphs | None = None
         if on_gpu and cuda_graphs and self.cache.paged_kernel:
             width = -(-min(self.context_length, self.cache.tokens) // block_size)
@@ -210,6 +215,8 @@ class Scheduler:
                         self._release(seq)
                     self.planner.admit()
                     rows = self.planner.plan()
+                    if rows and self.speculator is not None:
+                        rows = self.speculator.propose(rows, self.planner, self.context_length)
                 try:
                     if rows:
                         self._step(rows)
@@ -229,12 +236,8 @@ class Scheduler:
 
     def _step(self, rows: list[tuple[SequenceState, int]]) -> None:
         began = time.perf_counter()
-        spans = [
-            SeqRows(s.key, s.blocks, s.kv_len, n, int(s.kv_len + n == len(s.tokens)))
-            for s, n in rows
-        ]
-        ids = [t for s, n in rows for t in s.tokens[s.kv_len : s.kv_len + n]]
-        sampled = [s for (s, _), span in zip(rows, spans, strict=True) if span.logits]
+        spans, ids = forward_rows(rows)
+        sampled = [s for (s, _), p in zip(rows, spans, strict=True) if p.logits and not s.draft]
         pending = self._begin_masks(sampled)  # filled while the model runs
         if self.graphs is not None and len(ids) == len(rows) <= self.graphs.max_rows:
             logits = self.graphs.run(ids, spans)  # a decode step: replayed
@@ -244,19 +247,24 @@ class Scheduler:
             batch = build_batch(spans, self.cache.block_size, self.device)
             idx = torch.tensor(ids, dtype=torch.long, device=self.device)
             logits = self.model(idx, batch, self.cache)  # (len(sampled), V)
-        decode_rows = sum(1 for _, n in rows if n == 1)
+        decode_rows = sum(n for s, n in rows if n == 1 or s.draft)
         if not self.chooser.on_device:  # on a GPU the forward is only queued by now
             self.planner.guard.observe(
                 time.perf_counter() - began, decode_rows, len(ids) - decode_rows
             )
         with self._cond:
             for seq, n in rows:
-                self.planner.commit(seq, n)
+                if not seq.draft:  # a draft's rows are committed as they are accepted
+                    self.planner.commit(seq, n)
         # The step's batches go out together once every sequence has its token: the event loop
         # then wakes their publishers in one turn, and the worker sends the step as one pipeline
         # (``PublishPipe``) instead of a round trip per sequence.
         out: Delivery = []
         try:
+            if self.speculator is not None and any(s.draft for s, _ in rows):
+                logits, drafted = split_logits(rows, spans, logits)
+                for seq, mine in drafted:
+                    self._confined(seq, self._accept, seq, mine, out)
             if sampled:
                 self._sample(sampled, self._masked(logits, pending), out)
         finally:
@@ -317,6 +325,24 @@ class Scheduler:
     ) -> None:
         token, logprob = self.chooser.one(seq, logits)
         self._advance(seq, token, logprob, events, out)
+
+    def _accept(self, seq: SequenceState, logits: torch.Tensor, out: Delivery) -> None:
+        """Choose ``seq``'s tokens row by row as one-token steps would, while they match its
+        draft; the step's accepted tokens go out as one batch."""
+        assert self.speculator is not None
+        mine: Delivery = []
+        accepted = 0  # draft tokens the model chose too
+        for j, row in enumerate(logits):
+            with self._cond:  # row j's keys and values belong to a token the model chose
+                self.planner.commit(seq, 1)
+            token, logprob = self.chooser.one(seq, row)
+            self._advance(seq, token, logprob, [], mine)
+            if seq.done or j == len(seq.draft) or token != seq.draft[j]:
+                break
+            accepted += 1
+        with self._cond:
+            self.speculator.verified(seq, accepted, self.planner)
+        out.extend([(seq, [e for _, events in mine for e in events])] if mine else [])
 
     def _confined(self, seq: SequenceState, work: Callable[..., None], *args: Any) -> None:
         """Run one sequence's share of a step; if it raises (sampling, detokenizing, parsing),

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from services.worker.constrain import ConstraintState
+from services.worker.drafting import NgramIndex
 from services.worker.sampling import SamplingConfig
 from shared.events import AnyEvent, FinishReason, TokenLogprob
 from shared.jobs import Job
@@ -71,6 +72,8 @@ class SequenceState:
     cancelled: bool = False
     done: bool = False
     constraint: ConstraintState | None = None  # structured output / forced tool call
+    drafter: NgramIndex | None = None  # its n-grams, once it speculates (``speculation.py``)
+    draft: list[int] = field(default_factory=list)  # tokens this step verifies after its last
 
     @property
     def capacity(self) -> int:

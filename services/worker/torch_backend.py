@@ -102,6 +102,7 @@ class TorchBackend:
         stream_interval_s: float = 0.0,
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
+        speculative_tokens: int = 0,
     ) -> None:
         """Wrap a loaded model; ``make_decoder`` defaults to the real ``OutputDecoder``.
 
@@ -113,7 +114,8 @@ class TorchBackend:
         ``stream_interval_s`` is
         the least time between two batches of one request that ``generate`` yields (steps in
         between are joined; 0: each as soon as it is taken); ``gpu_memory_utilization`` the
-        share of a GPU the worker may fill; ``cuda_graphs`` replays decode steps on a GPU.
+        share of a GPU the worker may fill; ``cuda_graphs`` replays decode steps on a GPU;
+        ``speculative_tokens`` > 0 verifies that many prompt-lookup draft tokens a step (CPU).
         """
         self.loaded = loaded
         self.stream_interval_s = stream_interval_s
@@ -162,6 +164,7 @@ class TorchBackend:
             model_id=loaded.card.name,
             constrainer=self.constrainer,
             cuda_graphs=cuda_graphs,
+            speculative_tokens=speculative_tokens,
         )
 
     def _output_decoder(
@@ -353,6 +356,7 @@ class TorchBackend:
             stream_interval_s=settings.stream_interval_s,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             cuda_graphs=settings.cuda_graphs,
+            speculative_tokens=settings.speculative_tokens if settings.speculative else 0,
         )
 
 

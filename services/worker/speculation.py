@@ -1,0 +1,147 @@
+"""Speculative decoding from prompt-lookup drafts, verified in the step's one forward.
+
+Owns which decoding sequences speculate in a step, the blocks their draft rows borrow, and the
+bookkeeping after verification. A speculating sequence contributes ``1 + d`` rows to the step's
+forward (its last token and ``d`` drafted ones, ``drafting.NgramIndex``), with logits for all of
+them; other sequences' rows share the forward unchanged.
+
+Verification is the per-token path run once per row: the scheduler chooses row ``j``'s token
+with ``TokenChooser.one`` after feeding the tokens before it, so the forced marker, penalties,
+EOS bans, logprobs and the seeded draw all see exactly the state they would one token at a time,
+and the kernels compute each row's logits to the same bits as a lone decode row would. Row
+``j + 1`` is only valid if the token chosen at row ``j`` is the draft's ``j``-th: the first
+mismatch is the step's last token (the "bonus" on full acceptance). For greedy choice that is
+the longest matching prefix plus the argmax after it; for a draw it is exactly the sequential
+draw (a deterministic draft x is accepted with probability p(x), and a rejection yields p with x
+removed, renormalized), so the output is the model's, token for token, under either.
+
+Rollback needs no copy: rows past the accepted ones wrote keys and values at positions past
+``kv_len``, which the next step overwrites; blocks wholly past ``kv_len`` go back to the pool.
+The prefix cache learns a block only through ``Planner.commit``, called once per accepted row,
+so a rejected draft never reaches it (draft blocks are never claimed either).
+
+Not speculated (yet): structured output (the grammar's mask for row ``j + 1`` depends on row
+``j``'s token, and masks are filled before the forward), prompts still being read, and the GPU
+path (its batched chooser and replayed decode graphs take one row per sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.block_pool import NoFreeBlocks
+from services.worker.drafting import NgramIndex
+from services.worker.kv_cache import SeqRows
+from services.worker.paging import Planner
+from services.worker.sequence import SequenceState
+
+__all__ = ["SpecStats", "Speculator", "forward_rows", "split_logits"]
+
+
+@dataclass
+class SpecStats:
+    """Counters with vLLM's meaning (``spec_decode_num_draft_tokens`` and the rest)."""
+
+    drafts: int = 0  # verification rounds: steps in which a sequence speculated
+    draft_tokens: int = 0  # tokens proposed and verified
+    accepted_tokens: int = 0  # of those, tokens the model itself chose
+
+
+Rows = list[tuple[SequenceState, int]]
+
+
+def forward_rows(rows: Rows) -> tuple[list[SeqRows], list[int]]:
+    """A step's spans and token ids: a sequence's ``n`` new tokens (logits for the last when
+    they complete what it knows), or its last token and its draft (logits for each)."""
+    spans, ids = [], []
+    for s, n in rows:
+        if s.draft:
+            spans.append(SeqRows(s.key, s.blocks, s.kv_len, n, n))
+            ids.extend([s.tokens[s.kv_len], *s.draft])
+        else:
+            spans.append(SeqRows(s.key, s.blocks, s.kv_len, n, int(s.kv_len + n == len(s.tokens))))
+            ids.extend(s.tokens[s.kv_len : s.kv_len + n])
+    return spans, ids
+
+
+def split_logits(
+    rows: Rows, spans: list[SeqRows], logits: torch.Tensor
+) -> tuple[torch.Tensor, list[tuple[SequenceState, torch.Tensor]]]:
+    """The step's ``logits`` parted: the plain sequences' rows (on their device), and each
+    speculating sequence's rows (in host memory, where ``TokenChooser.one`` reads them)."""
+    host, plain, drafted, at = logits.cpu(), [], [], 0
+    for (seq, _), span in zip(rows, spans, strict=True):
+        if seq.draft:
+            drafted.append((seq, host[at : at + span.logits]))
+        elif span.logits:
+            plain.append(at)
+        at += span.logits
+    return logits[plain], drafted
+
+
+class Speculator:
+    """Drafts for a step's decoding sequences, and the cleanup once they are verified."""
+
+    def __init__(self, tokens: int, *, max_n: int = 4, min_n: int = 1) -> None:
+        if tokens < 1:
+            raise ValueError(f"speculation needs at least one draft token, not {tokens}")
+        self.k, self.max_n, self.min_n = tokens, max_n, min_n
+        self.stats = SpecStats()
+
+    def propose(self, rows: Rows, planner: Planner, context_length: int) -> Rows:
+        """``rows`` with each eligible decoding sequence's row count grown by its draft
+        (``seq.draft``), within the step's token budget and the pool's free blocks: a draft
+        never preempts anyone, and never outgrows ``max_new`` or the context."""
+        budget = planner.max_batched_tokens - sum(n for _, n in rows)
+        planned: Rows = []
+        for seq, n in rows:
+            seq.draft = []
+            if n == 1 and budget > 0 and self._eligible(seq):
+                room = min(
+                    self.k,
+                    budget,
+                    seq.max_new - seq.generated - 1,  # the bonus token must still be allowed
+                    context_length - len(seq.tokens) - 1,
+                )
+                if seq.drafter is None:
+                    seq.drafter = NgramIndex(self.max_n, self.min_n)
+                draft = seq.drafter.propose(seq.tokens, room) if room > 0 else []
+                seq.draft = draft[: self._fit(planner, seq, len(draft))]
+                budget -= len(seq.draft)
+                n += len(seq.draft)
+            planned.append((seq, n))
+        return planned
+
+    @staticmethod
+    def _eligible(seq: SequenceState) -> bool:
+        return seq.decoder is not None and seq.constraint is None and seq.to_compute == 1
+
+    @staticmethod
+    def _fit(planner: Planner, seq: SequenceState, drafted: int) -> int:
+        """Blocks for ``drafted`` rows past the decode row, as many as are free: how many fit."""
+        size = planner.size
+        want = seq.kv_len + 1 + drafted
+        while len(seq.blocks) * size < want:
+            try:
+                seq.blocks.append(planner.cache.allocate())
+            except NoFreeBlocks:
+                return max(0, len(seq.blocks) * size - seq.kv_len - 1)
+        return drafted
+
+    def verified(self, seq: SequenceState, accepted: int, planner: Planner) -> None:
+        """Account ``seq``'s verified draft (``accepted`` of its tokens chosen) and, if it still
+        runs, give back the blocks wholly past its keys and values."""
+        self.stats.drafts += 1
+        self.stats.draft_tokens += len(seq.draft)
+        self.stats.accepted_tokens += accepted
+        seq.draft = []
+        if seq.done or not seq.blocks:
+            return
+        keep = -(-seq.kv_len // planner.size)
+        if len(seq.blocks) > keep:
+            # never registered (only blocks below kv_len are) nor claimed: plain free blocks
+            spare = seq.blocks[keep:]
+            del seq.blocks[keep:]
+            planner.pool.release(spare)

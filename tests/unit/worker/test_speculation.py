@@ -1,0 +1,177 @@
+"""Prompt-lookup speculation is token-exact on the CPU kernels: a backend verifying drafts
+(``speculative_tokens``) writes what one without writes, token for token and logprob for
+logprob, through the real scheduler thread, paged cache and prefix cache of tiny random models.
+
+Both layouts run a prompt that repeats itself, so drafts are proposed, accepted and (Qwen3's
+model) rejected too, and then every condition of ``tests/determinism.check_invariance``
+(prefix-cache hits, a batch of 16, chunked prefill, preemption, a failover's continuation).
+Stops, ``max_tokens`` reached inside an accepted draft and a seeded draw are compared too, and
+afterwards no block is held and the prefix cache knows only blocks of tokens actually written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker import kernels
+from services.worker.block_pool import chain_hashes
+from services.worker.loaders import load_model
+from services.worker.models.kernel_llama import QuantizedLlama
+from services.worker.speculation import SpecStats
+from services.worker.torch_backend import TorchBackend
+from shared.events import AnyEvent, Finish, TextDelta
+from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
+from tests.determinism import check_invariance, greedy
+from tests.invariants import check_stream, generated_token_ids
+from tests.worker_models import gen, write_hf_model
+
+torch.set_num_threads(2)
+
+VOCAB = 384  # tiny_tokenizer's
+# (arch, seed): Llama's model repeats one token (every draft accepted); Qwen3's writes varied
+# text on which about half the drafted tokens are rejected
+MODELS = [("LlamaForCausalLM", 5), ("Qwen3ForCausalLM", 0)]
+
+
+def _prompts() -> tuple[list[int], list[int]]:
+    ids = torch.randint(3, VOCAB, (60,), generator=gen(7)).tolist()
+    return ids, ids[:20] * 4  # the second repeats itself: drafts from the start
+
+
+@pytest.fixture
+async def pair(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[TorchBackend, TorchBackend]]:
+    """A plain and a speculating backend over one tiny model on the kernels."""
+    k = kernels.load()
+    if k is None or not k.vectorized:
+        pytest.skip("the CPU kernels run only vectorized builds in the engine")
+    arch, seed = request.param
+    write_hf_model(tmp_path / "tiny", arch, seed=seed)
+    loaded = load_model(str(tmp_path / "tiny"), dtype="int4")
+    assert isinstance(loaded.model, QuantizedLlama)
+    plain = TorchBackend(loaded, max_batch=16)
+    spec = TorchBackend(loaded, max_batch=16, speculative_tokens=4)
+    await plain.start()
+    await spec.start()
+    try:
+        yield plain, spec
+    finally:
+        await spec.stop()
+        await plain.stop()
+
+
+def _stats(b: TorchBackend) -> SpecStats:
+    assert b.scheduler.speculator is not None
+    return b.scheduler.speculator.stats
+
+
+def _no_leaks(b: TorchBackend, written: list[list[int]]) -> None:
+    """Nothing held once every request ended, and each cached block's hash is that of a block
+    of one of the ``written`` token lists (prompt + output): no rejected draft got cached."""
+    planner = b.scheduler.planner
+    assert b.scheduler.cache.pool.used == 0 and not planner.active
+    known: set[bytes] = set()
+    for tokens in written:
+        hashes: list[bytes] = []
+        chain_hashes(tokens, len(tokens), planner.size, hashes, planner.root)
+        known.update(hashes)
+    assert set(b.scheduler.cache.pool.by_hash) <= known
+
+
+@pytest.mark.parametrize("pair", MODELS, indirect=True)
+async def test_speculative_greedy_output_is_the_plain_output(
+    pair: tuple[TorchBackend, TorchBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, spec = pair
+    ids, repeating = _prompts()
+    for prompt in (ids, repeating):
+        want = await greedy(plain, prompt, 24)
+        spec.scheduler.clear_prefix_cache()
+        got = await greedy(spec, prompt, 24)
+        assert got == want
+        _no_leaks(spec, [[*prompt, *got.tokens]])
+    stats = _stats(spec)
+    assert stats.accepted_tokens > 0 and stats.drafts > 0
+    assert stats.accepted_tokens <= stats.draft_tokens
+    # every condition of the determinism suite, speculating throughout
+    await check_invariance(spec, repeating, VOCAB, 24, monkeypatch)
+    assert (await greedy(spec, repeating, 24)) == (await greedy(plain, repeating, 24))
+
+
+@pytest.mark.parametrize("pair", [MODELS[1]], indirect=True)
+async def test_drafts_are_rejected_and_the_output_still_matches(
+    pair: tuple[TorchBackend, TorchBackend],
+) -> None:
+    plain, spec = pair
+    _, repeating = _prompts()
+    planner, oversized = spec.scheduler.planner, []
+
+    def check_blocks(seconds: float, sequences: int) -> None:
+        # after a step, a sequence holds blocks for the tokens it knows and no more: those a
+        # rejected draft borrowed went back to the pool
+        for seq in planner.active:
+            if len(seq.blocks) > -(-len(seq.tokens) // planner.size):
+                oversized.append((len(seq.tokens), len(seq.blocks)))
+
+    spec.scheduler.on_step = check_blocks
+    assert (await greedy(spec, repeating, 40)) == (await greedy(plain, repeating, 40))
+    stats = _stats(spec)
+    assert 0 < stats.accepted_tokens < stats.draft_tokens  # both outcomes were exercised
+    assert not oversized
+
+
+def _job(ids: list[int], rid: str, **fields: object) -> Job:
+    request = GenerateRequest(
+        request_id=rid,
+        model="m",
+        messages=[Message(role="user", content=[TextPart(text="-")])],
+        **{"ignore_eos": True, **fields},  # type: ignore[arg-type]
+    )
+    return Job.of(request, prompt_token_ids=ids, prompt_text="")
+
+
+async def _run(b: TorchBackend, job: Job) -> tuple[list[int], str, str | None]:
+    events: list[AnyEvent] = []
+    async for batch in b.generate(job, [], 1):
+        events.extend(batch)
+    check_stream(events)
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    reason = next((e.reason for e in events if isinstance(e, Finish)), None)
+    return generated_token_ids(events), text, reason
+
+
+@pytest.mark.parametrize("pair", [MODELS[1]], indirect=True)
+async def test_stops_limits_and_draws_match(pair: tuple[TorchBackend, TorchBackend]) -> None:
+    plain, spec = pair
+    _, repeating = _prompts()
+    greedy0 = SamplingParams(temperature=0.0)
+    full = await _run(plain, _job(repeating, "full", sampling=greedy0, max_tokens=40))
+    assert len(full[1]) > 12
+    # its text loops from about the 25th token on, where drafts start being accepted: a stop
+    # string longer than the loop first ends inside it, and so do these limits
+    loop: dict[str, object] = {"sampling": greedy0, "max_tokens": 40, "stop": [full[1][-16:-2]]}
+    limits: list[dict[str, object]] = [
+        {"sampling": greedy0, "max_tokens": n} for n in (1, 2, 26, 31, 32, 33, 35, 38)
+    ]
+    cases: list[dict[str, object]] = [
+        loop,
+        *limits,
+        {"sampling": SamplingParams(temperature=0.9, seed=1234), "max_tokens": 40},
+        {"sampling": SamplingParams(temperature=0.0, logprobs=True), "max_tokens": 40},
+        {"sampling": greedy0, "max_tokens": 40, "ignore_eos": False},  # EOS may end it
+        {"sampling": greedy0, "max_tokens": 40, "min_tokens": 30, "ignore_eos": False},
+        {"sampling": SamplingParams(temperature=0.0, repetition_penalty=1.3), "max_tokens": 40},
+    ]
+    for i, fields in enumerate(cases):
+        before = _stats(spec).accepted_tokens
+        want = await _run(plain, _job(repeating, f"p{i}", **fields))
+        got = await _run(spec, _job(repeating, f"s{i}", **fields))
+        assert got == want, fields
+        if fields is loop:
+            assert want[2] == "stop_sequence" and _stats(spec).accepted_tokens > before
+    assert spec.scheduler.cache.pool.used == 0
