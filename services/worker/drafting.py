@@ -27,6 +27,11 @@ class NgramIndex:
         self.max_n, self.min_n = max_n, min_n
         self._next: dict[tuple[int, ...], int] = {}
         self._ends = 0  # n-grams ending before this position are indexed
+        # the speculator's pacing for this sequence (``Speculator.verified``): the next draft's
+        # length, steps to go without drafting, and drafts in a row wholly rejected
+        self.length: int | None = None
+        self.rest = 0
+        self.misses = 0
 
     def _catch_up(self, tokens: list[int]) -> None:
         # an n-gram ending at e is indexed once e + 1 exists, so a look-up of the sequence's

@@ -98,15 +98,14 @@ class Speculator:
         planned: Rows = []
         for seq, n in rows:
             seq.draft = []
-            if n == 1 and budget > 0 and self._eligible(seq):
+            if n == 1 and budget > 0 and self._eligible(seq) and self._due(seq):
+                assert seq.drafter is not None
                 room = min(
-                    self.k,
+                    seq.drafter.length or self.k,
                     budget,
                     seq.max_new - seq.generated - 1,  # the bonus token must still be allowed
                     context_length - len(seq.tokens) - 1,
                 )
-                if seq.drafter is None:
-                    seq.drafter = NgramIndex(self.max_n, self.min_n)
                 draft = seq.drafter.propose(seq.tokens, room) if room > 0 else []
                 seq.draft = draft[: self._fit(planner, seq, len(draft))]
                 budget -= len(seq.draft)
@@ -117,6 +116,15 @@ class Speculator:
     @staticmethod
     def _eligible(seq: SequenceState) -> bool:
         return seq.decoder is not None and seq.constraint is None and seq.to_compute == 1
+
+    def _due(self, seq: SequenceState) -> bool:
+        """Whether ``seq`` drafts this step (it rests after drafts the model rejected)."""
+        if seq.drafter is None:
+            seq.drafter = NgramIndex(self.max_n, self.min_n)
+        if seq.drafter.rest > 0:
+            seq.drafter.rest -= 1
+            return False
+        return True
 
     @staticmethod
     def _fit(planner: Planner, seq: SequenceState, drafted: int) -> int:
@@ -136,6 +144,7 @@ class Speculator:
         self.stats.drafts += 1
         self.stats.draft_tokens += len(seq.draft)
         self.stats.accepted_tokens += accepted
+        self._pace(seq, accepted)
         seq.draft = []
         if seq.done or not seq.blocks:
             return
@@ -145,3 +154,20 @@ class Speculator:
             spare = seq.blocks[keep:]
             del seq.blocks[keep:]
             planner.pool.release(spare)
+
+    def _pace(self, seq: SequenceState, accepted: int) -> None:
+        """Adapt ``seq``'s next draft to how this one fared. Verifying a row costs compute
+        whether or not the model agrees, and fresh text (a story) repeats little though some
+        earlier token nearly always matches its last: a wholly rejected draft makes the
+        sequence rest 1, 3, 7 ... up to 31 steps before drafting again, and a partly accepted
+        one shortens the next draft to one past what was accepted. A fully accepted draft
+        doubles the next one's length, up to ``k``."""
+        drafter = seq.drafter
+        if drafter is None or not seq.draft:
+            return
+        if accepted == len(seq.draft):
+            drafter.length = min(self.k, 2 * accepted)
+        else:
+            drafter.length = accepted + 1
+        drafter.misses = 0 if accepted else drafter.misses + 1
+        drafter.rest = min(2**drafter.misses - 1, 31)

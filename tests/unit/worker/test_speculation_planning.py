@@ -70,3 +70,30 @@ def test_prompts_and_constrained_or_unstarted_sequences_do_not_speculate() -> No
     p.pending.append(fresh)
     p.admit()
     assert Speculator(4).propose(p.plan(), p, context_length=1024) == [(fresh, 1)]
+
+
+def test_rejected_drafts_make_a_sequence_rest_and_accepted_ones_lengthen_the_next() -> None:
+    p, s = decoding(REPEAT)
+    spec = Speculator(4)
+
+    def one_step(accept: int, chosen: int) -> int:
+        """Plan with drafts; the model keeps ``accept`` draft tokens then chooses ``chosen``;
+        return the sequence's rows this step."""
+        [(_, n)] = spec.propose(p.plan(), p, context_length=1024)
+        drafted = s.draft
+        for j in range(accept + 1 if drafted else 1):
+            p.commit(s, 1)
+            s.tokens.append(drafted[j] if j < accept else chosen)
+            s.generated += 1
+        if drafted:
+            spec.verified(s, accept, p)
+        return n
+
+    assert one_step(0, 9) == 5  # drafted 4, all rejected
+    assert one_step(0, 1) == 1  # rests one step
+    assert one_step(1, 3) == 2  # then drafts one token past what was accepted: 1
+    assert one_step(2, 5) == 3  # that was accepted in full: twice as long next time
+    assert one_step(0, 9) == 5  # and again, up to k
+    assert [one_step(0, 1), one_step(0, 9)] == [1, 2]  # rests, drafts 1, a second miss...
+    assert [one_step(0, 1) for _ in range(3)] == [1, 1, 1]  # ... in a row: rests 3
+    assert one_step(0, 9) == 2
