@@ -10,6 +10,7 @@
     ├── NotFound                      404 not_found
     │   └── ModelNotFound             404 model_not_found
     ├── RequestTooLarge               413 request_too_large
+    ├── Cancelled                     499 cancelled         (cancelled before any worker started it)
     ├── RateLimited                   429 rate_limited      (retry_after)
     ├── Overloaded                    529 overloaded        (retry_after)
     ├── NoWorker                      503 no_worker
@@ -17,13 +18,16 @@
     ├── WorkerLost                    500 worker_lost
     └── ProtocolError                 500 protocol          (undecodable event or job)
 
-Each wire format maps ``code``/``http_status`` to its own error envelope.
+Each wire format maps ``code``/``http_status`` to its own error envelope. ``retryable`` says
+whether the same request may succeed if sent again (OpenAI's error bodies carry it); an error
+made from a terminal ``Error`` event takes the event's own flag instead of its class's.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AuthenticationFailed",
+    "Cancelled",
     "ContextOverflow",
     "InvalidRequest",
     "ModelNotFound",
@@ -45,6 +49,7 @@ class ServiceError(Exception):
 
     code = "internal"
     http_status = 500
+    retryable = False
 
     def __init__(
         self, message: str, *, param: str | None = None, retry_after: float | None = None
@@ -124,11 +129,23 @@ class RequestTooLarge(ServiceError):
     http_status = 413
 
 
+class Cancelled(ServiceError):
+    """The request was cancelled before any worker started it: nothing was generated.
+
+    499 is the status proxies use for a request its client closed (nginx's): a client's fault,
+    not the server's, so SDKs do not retry it and monitoring does not count it as a failure.
+    """
+
+    code = "cancelled"
+    http_status = 499
+
+
 class RateLimited(ServiceError):
     """The model's queue is full; retry after ``retry_after`` seconds."""
 
     code = "rate_limited"
     http_status = 429
+    retryable = True
 
 
 class Overloaded(ServiceError):
@@ -136,6 +153,7 @@ class Overloaded(ServiceError):
 
     code = "overloaded"
     http_status = 529
+    retryable = True
 
 
 class NoWorker(ServiceError):
@@ -143,6 +161,7 @@ class NoWorker(ServiceError):
 
     code = "no_worker"
     http_status = 503
+    retryable = True
 
 
 class Unavailable(ServiceError):
@@ -150,6 +169,7 @@ class Unavailable(ServiceError):
 
     code = "unavailable"
     http_status = 503
+    retryable = True
 
 
 class WorkerLost(ServiceError):

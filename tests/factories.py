@@ -135,6 +135,11 @@ def error_before_start() -> list[AnyEvent]:
     return [Error(kind="overloaded", message="no worker took the request in time", retryable=True)]
 
 
+def cancelled_before_start() -> list[AnyEvent]:
+    # what a worker publishes for a job whose cancel flag was up before it started it
+    return [Error(kind="cancelled", message="cancelled before generation started")]
+
+
 SCENARIOS = {
     "text": text_only,
     "reasoning": reasoning_then_text,
@@ -146,4 +151,5 @@ SCENARIOS = {
     "stop_sequence": stop_sequence,
     "error": error_mid_stream,
     "error_before_start": error_before_start,
+    "cancelled_before_start": cancelled_before_start,
 }

@@ -32,8 +32,9 @@ from tests.factories import SCENARIOS
 from tests.golden.test_openai_responses import GOLDEN_DIR, REQUEST, RESPONSE_ID, golden_skeleton
 from tests.invariants import check_stream
 
-COMPLETED = [s for s in sorted(SCENARIOS) if s not in ("max_tokens", "error", "error_before_start")]
 FAILED = ["error", "error_before_start"]
+CANCELLED = ["cancelled_before_start"]  # status "cancelled", announced by response.incomplete
+COMPLETED = [s for s in sorted(SCENARIOS) if s not in ("max_tokens", *FAILED, *CANCELLED)]
 
 
 async def _responses(request: Request) -> Response:
@@ -118,6 +119,9 @@ def test_raw_stream_events_are_typed_and_sequenced(client: openai.OpenAI, scenar
         assert isinstance(events[-2], ResponseErrorEvent)
         assert isinstance(last, ResponseFailedEvent)
         assert last.response.error is not None
+    elif scenario in CANCELLED:
+        assert isinstance(last, ResponseIncompleteEvent)
+        assert last.response.status == "cancelled" and last.response.error is None
     elif scenario == "max_tokens":
         assert isinstance(last, ResponseIncompleteEvent)
         assert last.response.incomplete_details is not None
@@ -126,7 +130,7 @@ def test_raw_stream_events_are_typed_and_sequenced(client: openai.OpenAI, scenar
         assert isinstance(last, ResponseCompletedEvent)
 
 
-@pytest.mark.parametrize("scenario", ["max_tokens", *FAILED])
+@pytest.mark.parametrize("scenario", ["max_tokens", *FAILED, *CANCELLED])
 def test_unfinished_responses_raise_in_get_final_response(
     client: openai.OpenAI, scenario: str
 ) -> None:
@@ -136,7 +140,8 @@ def test_unfinished_responses_raise_in_get_final_response(
             stream.get_final_response()
     assert kinds[-1] in ("response.incomplete", "response.failed")
     expected = client.responses.create(**_request(scenario))  # type: ignore[call-overload]
-    assert expected.status == ("incomplete" if scenario == "max_tokens" else "failed")
+    statuses = {"max_tokens": "incomplete", **dict.fromkeys(CANCELLED, "cancelled")}
+    assert expected.status == statuses.get(scenario, "failed")
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, object]]]:

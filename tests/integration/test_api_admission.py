@@ -62,7 +62,7 @@ async def test_bad_input_is_a_json_error_and_enqueues_nothing(
         )
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "retryable"}
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
     assert error["code"] == code

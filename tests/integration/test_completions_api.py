@@ -166,6 +166,6 @@ async def test_tokenize_errors_are_openai_s(api: str, worker: object) -> None:
             answer = await http.post(path, content=msgspec.json.encode(body))
             assert answer.status_code == status, (path, body, answer.text)
             error = answer.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"}
+            assert set(error) == {"message", "type", "param", "code", "retryable"}
             if param is not None:
                 assert error["param"] == param

@@ -80,8 +80,10 @@ async def create_response(request: Request) -> Response:
         projector = openai_responses.Projector(ctx)
         return sse_response(state, request, rid, projector, headers=headers)
     completion = fold(await collect_events(state, request, rid))
-    if completion.error is not None and completion.start is None:
-        raise service_error(completion.error)  # rejected before generation: an HTTP error
+    error = completion.error
+    if error is not None and completion.start is None and error.kind != "cancelled":
+        raise service_error(error)  # rejected before generation: an HTTP error
+    # (cancelled before generation is a Response with status "cancelled", as after the start)
     ended = await responses_store.completed_at(state, rid)
     body = openai_responses.render(completion, echo, completed_at=ended, signer=signer)
     return _json(body, rid, headers)

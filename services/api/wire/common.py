@@ -17,7 +17,14 @@ from typing import Annotated, TypeVar
 import msgspec
 from msgspec import Meta
 
-from shared.errors import ContextOverflow, InvalidRequest, Overloaded, ServiceError, WorkerLost
+from shared.errors import (
+    Cancelled,
+    ContextOverflow,
+    InvalidRequest,
+    Overloaded,
+    ServiceError,
+    WorkerLost,
+)
 from shared.events import Error, ErrorKind
 from shared.jobs import ReasoningEffort
 
@@ -60,7 +67,9 @@ _EXCEPTIONS: dict[ErrorKind, type[ServiceError]] = {
     "context_overflow": ContextOverflow,
     "overloaded": Overloaded,
     "worker_lost": WorkerLost,
-    "cancelled": ServiceError,
+    # Cancelled before any worker started it (the worker's answer to a raised cancel flag): the
+    # client's doing, so a 4xx (499) and never the 500 a server failure is.
+    "cancelled": Cancelled,
     "internal": ServiceError,
 }
 
@@ -167,16 +176,22 @@ def check_range(value: float | None, low: float, high: float, param: str) -> Non
         raise InvalidRequest(f"{param} must be between {low} and {high}", param=param)
 
 
-def service_error(error: Error, *, retry_after: float | None = None) -> ServiceError:
+def service_error(error: Error) -> ServiceError:
     """The exception a terminal ``Error`` event becomes when no byte has been sent yet.
 
-    The app's exception handlers render it with each format's own envelope and status.
+    The app's exception handlers render it with each format's own envelope and status. A
+    retryable overload (the start timeout: no worker started the request in time; Redis out of
+    memory) advertises ``Retry-After: 1`` in every format: OpenAI's 503 as Anthropic's 529, whose
+    SDKs both honour the header.
 
     Args:
         error: the stream's terminal error.
-        retry_after: seconds to advertise in ``retry-after``, if the format sends one.
 
     Returns:
-        The matching ``ServiceError`` subclass instance (not raised).
+        The matching ``ServiceError`` subclass instance (not raised), carrying the event's
+        ``retryable``.
     """
-    return _EXCEPTIONS[error.kind](error.message, retry_after=retry_after)
+    retry_after = 1.0 if error.kind == "overloaded" and error.retryable else None
+    exc = _EXCEPTIONS[error.kind](error.message, retry_after=retry_after)
+    exc.retryable = error.retryable  # the worker knows better than the error's class
+    return exc

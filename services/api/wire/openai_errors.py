@@ -1,9 +1,13 @@
 """OpenAI's error vocabulary, which Chat Completions and Responses share.
 
-Owns the ``{"error": {"message", "type", "param", "code"}}`` envelope and the status, ``type``
-and ``code`` of each ``ServiceError``. Every route outside ``/v1/messages`` answers errors in
-this envelope, and the Chat Completions projector sends it in-band when a stream fails after
-the headers. Anthropic's envelope lives beside its format (``anthropic_messages.errors``).
+Owns the ``{"error": {"message", "type", "param", "code", "retryable"}}`` envelope and the
+status, ``type`` and ``code`` of each ``ServiceError``. ``retryable`` is sluice's addition, inside
+``error`` because that object is what the openai SDK keeps as ``APIError.body`` (for HTTP errors
+and in-band stream errors alike) and it ignores keys it does not know: a client reads
+``exc.body["retryable"]``, others are unaffected. Every route outside ``/v1/messages`` and
+``/api/`` answers errors in this envelope, and the Chat Completions and completions projectors
+send it in-band when a stream fails after the headers. Anthropic's envelope lives beside its
+format (``anthropic_messages.errors``).
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ def error_body(err: ServiceError) -> tuple[int, dict[str, object]]:
     """
     status = 503 if isinstance(err, Overloaded) else err.http_status
     kind, code = _kind(err, status)
-    body: dict[str, object] = {
-        "error": {"message": err.message, "type": kind, "param": err.param, "code": code}
+    error = {
+        "message": err.message,
+        "type": kind,
+        "param": err.param,
+        "code": code,
+        "retryable": err.retryable,
     }
-    return status, body
+    return status, {"error": error}

@@ -205,7 +205,7 @@ def test_error_before_start_is_a_single_error_event() -> None:
         ("overloaded", "overloaded_error", 529),
         ("internal", "api_error", 500),
         ("worker_lost", "api_error", 500),
-        ("cancelled", "api_error", 500),
+        ("cancelled", "invalid_request_error", 499),
         ("invalid_request", "invalid_request_error", 400),
         ("context_overflow", "invalid_request_error", 400),
     ],

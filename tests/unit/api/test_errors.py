@@ -8,6 +8,7 @@ from services.api.wire.anthropic_messages import error_body as anthropic_error_b
 from services.api.wire.openai_errors import error_body as openai_error_body
 from shared.errors import (
     AuthenticationFailed,
+    Cancelled,
     ContextOverflow,
     InvalidRequest,
     ModelNotFound,
@@ -73,7 +74,11 @@ CASES = [
     (WorkerLost("dead"), 500, "server_error", "worker_lost", 500, "api_error"),
     (ProtocolError("bytes"), 500, "server_error", "protocol", 500, "api_error"),
     (ServiceError("boom"), 500, "server_error", "internal", 500, "api_error"),
+    # the client's doing, not a server failure: 499 with the 4xx fallback type in both families
+    (Cancelled("gone"), 499, "invalid_request_error", "cancelled", 499, "invalid_request_error"),
 ]
+# The classes whose errors may succeed when sent again (the rest say retryable: false).
+RETRYABLE = (RateLimited, Overloaded, NoWorker, Unavailable)
 
 
 @pytest.mark.parametrize(("err", "oa_status", "oa_type", "oa_code", "an_status", "an_type"), CASES)
@@ -87,8 +92,15 @@ def test_envelopes(
 ) -> None:
     status, body = openai_error_body(err)
     assert status == oa_status
+    retryable = isinstance(err, RETRYABLE)
     assert body == {
-        "error": {"message": err.message, "type": oa_type, "param": err.param, "code": oa_code}
+        "error": {
+            "message": err.message,
+            "type": oa_type,
+            "param": err.param,
+            "code": oa_code,
+            "retryable": retryable,
+        }
     }
     status, body = anthropic_error_body(err)
     assert status == an_status

@@ -16,7 +16,14 @@ from services.api.wire.openai_chat import (
 from services.api.wire.openai_chat.types import ReasoningField
 from services.api.wire.sse import Frame
 from shared.accumulate import fold
-from shared.errors import ContextOverflow, InvalidRequest, Overloaded, ServiceError, WorkerLost
+from shared.errors import (
+    Cancelled,
+    ContextOverflow,
+    InvalidRequest,
+    Overloaded,
+    ServiceError,
+    WorkerLost,
+)
 from shared.events import (
     AnyEvent,
     Error,
@@ -59,7 +66,9 @@ def test_start_alone_sends_nothing() -> None:
     assert ChatProjector(CTX).feed(start) == []
 
 
-@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if "error" not in s])
+@pytest.mark.parametrize(
+    "scenario", [s for s in SCENARIOS if not isinstance(SCENARIOS[s]()[-1], Error)]
+)
 def test_role_only_in_first_delta_and_ids_only_in_first_call_delta(scenario: str) -> None:
     for shown in (False, True):
         ctx = msgspec.structs.replace(CTX, include_reasoning=shown)
@@ -174,6 +183,7 @@ def test_mid_stream_error_is_an_error_object_then_done() -> None:
                 "type": "server_error",
                 "param": None,
                 "code": "internal",
+                "retryable": True,  # the scenario's Error says so
             }
         },
         "[DONE]",
@@ -259,9 +269,30 @@ def test_render_text_has_no_tool_calls_key() -> None:
         ("overloaded", Overloaded, 529),
         ("worker_lost", WorkerLost, 500),
         ("internal", ServiceError, 500),
-        ("cancelled", ServiceError, 500),
+        ("cancelled", Cancelled, 499),
     ],
 )
 def test_error_from_event(kind: ErrorKind, cls: type[ServiceError], status: int) -> None:
     err = error_from_event(Error(kind=kind, message="boom"))
     assert type(err) is cls and err.message == "boom" and err.http_status == status
+    assert err.retryable is False and err.retry_after is None  # the event's flag, not the class's
+    again = error_from_event(Error(kind=kind, message="boom", retryable=True))
+    assert again.retryable is True
+    # only a retryable overload (the start timeout) advertises Retry-After, in every format
+    assert again.retry_after == (1.0 if kind == "overloaded" else None)
+
+
+def test_cancelled_before_start_is_a_client_side_error_in_band() -> None:
+    chunks = project(SCENARIOS["cancelled_before_start"]())
+    assert chunks == [
+        {
+            "error": {
+                "message": "cancelled before generation started",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "cancelled",
+                "retryable": False,
+            }
+        },
+        "[DONE]",
+    ]

@@ -171,6 +171,22 @@ def test_error_before_start_still_opens_with_created() -> None:
     assert out[-1]["response"]["output"] == []
     err = error_from_event(SCENARIOS["error_before_start"]()[0])  # type: ignore[arg-type]
     assert isinstance(err, Overloaded)
+    # the start timeout's overload is retryable: both the in-band event and the object say so
+    assert out[-2]["retryable"] is True and out[-1]["response"]["error"]["retryable"] is True
+    assert err.retryable and err.retry_after == 1.0  # the 503 carries Retry-After
+
+
+def test_cancelled_before_start_is_cancelled_not_failed() -> None:
+    events = SCENARIOS["cancelled_before_start"]()
+    out = project(events)
+    assert [e["type"] for e in out] == [
+        "response.created",
+        "response.in_progress",
+        "response.incomplete",
+    ]
+    final = out[-1]["response"]
+    assert (final["status"], final["error"], final["output"]) == ("cancelled", None, [])
+    assert final == _rendered(events)
 
 
 def test_cancelled_finish_is_cancelled_status() -> None:

@@ -30,7 +30,7 @@ _TYPES_BY_KIND: dict[ErrorKind, str] = {
     "invalid_request": "invalid_request_error",
     "context_overflow": "invalid_request_error",
     "worker_lost": "api_error",
-    "cancelled": "api_error",
+    "cancelled": "invalid_request_error",  # as the HTTP 499 renders: the client's doing
     "internal": "api_error",
 }
 
@@ -91,7 +91,8 @@ def error_type(kind: ErrorKind) -> str:
 def service_error(event: Error) -> ServiceError:
     """The exception a non-streaming request raises for a terminal ``Error`` event.
 
-    The app renders it with Anthropic's envelope and status (400, 500, 529).
+    The app renders it with Anthropic's envelope and status (400, 499, 500, 529; ``retry-after``
+    on a retryable overload, see ``common.service_error``).
 
     Args:
         event: the terminal error.
@@ -99,6 +100,4 @@ def service_error(event: Error) -> ServiceError:
     Returns:
         The matching ``ServiceError`` subclass instance.
     """
-    # Anthropic clients honour retry-after on 529; the worker marks overload as retryable.
-    retryable = event.kind == "overloaded" and event.retryable
-    return common.service_error(event, retry_after=1.0 if retryable else None)
+    return common.service_error(event)

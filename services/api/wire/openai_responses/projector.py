@@ -297,7 +297,9 @@ class Projector:
             self._ctx.skeleton, list(self._items), self._usage, finish, error, self._completed_at
         )
         if error is not None and final.error is not None:
-            out.append(ErrorEvent(final.error.code, error.message, None, self._n()))
+            out.append(
+                ErrorEvent(final.error.code, error.message, None, self._n(), error.retryable)
+            )
         out.append(self._lifecycle(kind, final))
 
     def _frames(self, events: list[StreamEvent]) -> list[Frame]:

@@ -142,6 +142,9 @@ def terminal_status(finish: Finish | None, error: Error | None) -> tuple[Respons
     Returns:
         ``(status, lifecycle event type)``; ``in_progress`` while neither has arrived.
     """
+    if error is not None and error.kind == "cancelled":
+        # Cancelled before any worker started it: the same end as a cancel after the start.
+        return "cancelled", "response.incomplete"
     if error is not None:
         return "failed", "response.failed"
     if finish is None:
@@ -182,14 +185,17 @@ def final_response(
         status=status,
         output=output,
         usage=_usage(usage),
-        error=None
-        if error is None
-        else ResponseError(
-            code=_ERROR_CODES.get(error.kind, "server_error"), message=error.message
-        ),
+        error=_error(error),
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
         completed_at=completed_at if status != "in_progress" else None,
     )
+
+
+def _error(error: Error | None) -> ResponseError | None:
+    if error is None or error.kind == "cancelled":
+        return None  # a cancelled response carries no error, as OpenAI's cancelled ones do
+    code = _ERROR_CODES.get(error.kind, "server_error")
+    return ResponseError(code=code, message=error.message, retryable=error.retryable)
 
 
 def build_item(

@@ -207,10 +207,15 @@ class ResponseUsage(msgspec.Struct, kw_only=True):
 
 
 class ResponseError(msgspec.Struct, kw_only=True):
-    """Why a response failed (``code`` is one of the SDK's literals)."""
+    """Why a response failed (``code`` is one of the SDK's literals).
+
+    ``retryable`` is sluice's addition (the event's flag): the SDK's model keeps unknown keys,
+    so ``response.error.retryable`` reads it.
+    """
 
     code: str
     message: str
+    retryable: bool = False
 
 
 class IncompleteDetails(msgspec.Struct, kw_only=True):
@@ -324,12 +329,13 @@ class ContentPartDone(msgspec.Struct, tag_field="type", tag="response.content_pa
 
 
 class ErrorEvent(msgspec.Struct, tag_field="type", tag="error"):
-    """An in-band error, followed by ``response.failed``."""
+    """An in-band error, followed by ``response.failed`` (``retryable``: as ``ResponseError``)."""
 
     code: str | None
     message: str
     param: str | None
     sequence_number: int
+    retryable: bool = False
 
 
 StreamEvent = (
