@@ -162,6 +162,19 @@ class WorkerMetrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        # vLLM's spec_decode_* meanings: the acceptance rate is accepted / draft tokens, the
+        # mean acceptance length 1 + accepted / drafts (tokens per verifying step)
+        self.spec_drafts = Counter(
+            "sluice_spec_decode_num_drafts", "Drafts verified (a speculating sequence's step)", m,
+            registry=r,
+        )  # fmt: skip
+        self.spec_draft_tokens = Counter(
+            "sluice_spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "sluice_spec_decode_num_accepted_tokens", "Draft tokens the model chose too", m,
+            registry=r,
+        )  # fmt: skip
         self.redis_rtt = redis_rtt_histogram(r)
         self.info = Gauge(
             "sluice_worker_info",
@@ -198,10 +211,22 @@ class WorkerMetrics:
         preempted = self.preemptions.labels(model)
         engine.planner.on_preempt = lambda _seq: preempted.inc()
         step, size = self.step_time.labels(model), self.batch_size.labels(model)
+        spec = getattr(engine, "speculator", None)  # None: speculation is off
+        counted = [0, 0, 0]  # the speculator's counters already added
+        spec_counters = [
+            c.labels(model)
+            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens)
+        ]
 
         def on_step(seconds: float, sequences: int) -> None:
             step.observe(seconds)
             size.observe(sequences)
+            if spec is not None:
+                now = (spec.stats.drafts, spec.stats.draft_tokens, spec.stats.accepted_tokens)
+                for i, (counter, value) in enumerate(zip(spec_counters, now, strict=True)):
+                    if value > counted[i]:
+                        counter.inc(value - counted[i])
+                        counted[i] = value
 
         engine.on_step = on_step
 

@@ -175,3 +175,30 @@ async def test_stops_limits_and_draws_match(pair: tuple[TorchBackend, TorchBacke
         if fields is loop:
             assert want[2] == "stop_sequence" and _stats(spec).accepted_tokens > before
     assert spec.scheduler.cache.pool.used == 0
+
+
+@pytest.mark.parametrize("pair", [MODELS[1]], indirect=True)
+async def test_metrics_count_drafts_and_accepted_tokens(
+    pair: tuple[TorchBackend, TorchBackend],
+) -> None:
+    from prometheus_client import generate_latest
+
+    from services.worker.metrics import WorkerMetrics
+    from tests.metrics_text import sample
+
+    _, spec = pair
+    metrics = WorkerMetrics()
+    metrics.bind(
+        model="tiny", wid="w", device="cpu", version="t", running=lambda: 0.0,
+        engine=spec.scheduler,
+    )  # fmt: skip
+    await greedy(spec, _prompts()[1], 40)
+    text = generate_latest(metrics.registry).decode()
+    stats = _stats(spec)
+    assert stats.accepted_tokens > 0
+    for name, value in (
+        ("drafts", stats.drafts),
+        ("draft_tokens", stats.draft_tokens),
+        ("accepted_tokens", stats.accepted_tokens),
+    ):
+        assert sample(text, f"sluice_spec_decode_num_{name}_total", model="tiny") == value
