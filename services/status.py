@@ -17,7 +17,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services import arq_keys, redis_conn
+from services import redis_conn
+from services.queue.client import Queue
 from shared import keys
 from shared.config import Settings
 
@@ -37,9 +38,9 @@ def _num(value: bytes | None) -> float:
         return 0.0
 
 
-async def snapshot(redis: aioredis.Redis, queue: aioredis.Redis | None = None) -> dict[str, Any]:
-    """One consistent-enough reading of the cluster (a few pipelined round trips); ``queue`` is
-    arq's Redis when it is not ``redis``."""
+async def snapshot(redis: aioredis.Redis, queue: Queue | None = None) -> dict[str, Any]:
+    """One consistent-enough reading of the cluster (a few pipelined round trips); ``queue``: the
+    model queues, when they are not on ``redis``."""
     now = time.time()
     beats = await redis.zrange(keys.workers(), 0, -1, withscores=True)
     names = sorted(m.decode() for m in await redis.smembers(keys.models()))  # type: ignore[misc]
@@ -71,7 +72,7 @@ async def snapshot(redis: aioredis.Redis, queue: aioredis.Redis | None = None) -
         )
     models = []
     for i, name in enumerate(names):
-        queued = await arq_keys.waiting(queue or redis, keys.queue(name))
+        queued = await (queue or Queue(redis)).waiting(name)
         models.append(
             {
                 "name": name,
@@ -135,7 +136,7 @@ async def _run(settings: Settings, watch: float | None, as_json: bool) -> int:
     queue = redis_conn.queue_client(settings.queue_redis_url, socket_connect_timeout=5)
     try:
         while True:
-            snap = await snapshot(redis, queue)
+            snap = await snapshot(redis, Queue(queue))
             if as_json:
                 print(json.dumps(snap), flush=True)
             else:

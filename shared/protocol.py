@@ -70,13 +70,9 @@ __all__ = [
     "API_TIMEOUT_OWNER",
     "CLAIM_UNSTARTED",
     "DOORBELL",
-    "DUPLICATE",
-    "ENQUEUED",
-    "ENQUEUE_BOUNDED",
     "JOB_FUNCTION",
     "LEASE_LOST",
     "PUBLISH",
-    "QUEUE_FULL",
     "RECOVERING",
     "REFRESH",
     "RELEASE",
@@ -228,26 +224,6 @@ async def claim_lost(redis: aioredis.Redis, rid: str, wid: str, lease_ms: int) -
     return owner if taken else None
 
 
-# The bounded enqueue: arq's own enqueue (a WATCH transaction writing the job payload and the
-# queue entry) with the queue bound checked in the same atomic step, so concurrent admissions
-# cannot all pass a ``ZCARD`` read before any of them has enqueued. KEYS: queue zset, job
-# payload key, job result key (arq's names, passed in: shared does not import arq). ARGV: job
-# id, payload, score (ms), payload TTL (ms), bound. Returns ENQUEUED, DUPLICATE (a job with
-# that id exists or has a result) or QUEUE_FULL.
-ENQUEUE_BOUNDED = """
-if redis.call('EXISTS', KEYS[2], KEYS[3]) > 0 then return 0 end
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[5]) then return -1 end
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[4])
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-redis.call('PUBLISH', KEYS[1], ARGV[3])
-return 1
-"""
-"""arq's enqueue with the queue's bound checked atomically; a queued job also rings the queue's
-doorbell (``services/worker/queue_bell.py``): PUBLISH of its score on the channel named like
-the queue (the queue Redis is never a cluster)."""
-ENQUEUED, DUPLICATE, QUEUE_FULL = 1, 0, -1
-
-
 DOORBELL = """
 local tail = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if tail[1] then redis.call('SPUBLISH', KEYS[1], tail[1][1]) end
@@ -292,7 +268,6 @@ class Scripts:
         self._refresh = redis.register_script(REFRESH)
         self._release = redis.register_script(RELEASE)
         self._claim_unstarted = redis.register_script(bell(CLAIM_UNSTARTED))
-        self._enqueue_bounded = redis.register_script(ENQUEUE_BOUNDED)
 
     async def publish(self, keys_: list[str], args: list[Any]) -> int:
         """Run ``PUBLISH`` with the KEYS and ARGV of ``publish_call``: ``LEASE_LOST``, else the
@@ -362,21 +337,3 @@ class Scripts:
         args: list[Any] = [API_TIMEOUT_OWNER, lease_ms, maxlen, retention_s, SCHEMA_VERSION, body]
         args.append(unstored_retention_s)
         return int(await self._claim_unstarted(keys_, args))
-
-    async def enqueue_bounded(
-        self,
-        model: str,
-        job_id: str,
-        payload: bytes,
-        *,
-        job_key: str,
-        result_key: str,
-        score_ms: int,
-        expires_ms: int,
-        bound: int,
-    ) -> int:
-        """Run ``ENQUEUE_BOUNDED`` on ``model``'s queue: ``ENQUEUED``, ``DUPLICATE`` or
-        ``QUEUE_FULL``."""
-        keys_ = [keys.queue(model), job_key, result_key]
-        args: list[Any] = [job_id, payload, score_ms, expires_ms, bound]
-        return int(await self._enqueue_bounded(keys_, args))

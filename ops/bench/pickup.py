@@ -39,8 +39,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
-from services import arq_keys
-from services.worker.main import arq_deserialize, arq_serialize
+from services.queue import Queue
+from services.queue.consumer import arq_deserialize, arq_serialize
 from services.worker.scripted import parse_spec
 from shared import keys
 from shared.codec import decode_entry, encode_job
@@ -111,8 +111,8 @@ async def enqueue(arq: ArqRedis, j: Job) -> float:
     payload = encode_job(j)
     await arq.hset(keys.request(j.request_id), mapping={"job": payload})  # type: ignore[misc]
     t0 = time.time()
-    await arq_keys.enqueue(
-        arq, MODEL, j.request_id, payload, enqueue_ms=int(t0 * 1000), expires_ms=60_000,
+    await Queue(arq).enqueue(
+        MODEL, j.request_id, payload, enqueue_ms=int(t0 * 1000), expires_ms=60_000,
         bound=10_000,
     )  # fmt: skip
     return t0

@@ -27,7 +27,8 @@ import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
 from ops.bench.stream_nodes import start_redis
-from services.worker.main import arq_serialize, load_backend, start_worker
+from services.queue.consumer import arq_serialize
+from services.worker.main import load_backend, start_worker
 from shared import keys
 from shared.codec import encode_job
 from shared.config import Settings

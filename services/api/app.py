@@ -1,7 +1,7 @@
 """The FastAPI application factory: its lifespan builds the state, and every router is mounted.
 
 ``create_app(settings)`` builds an app with no module globals: the lifespan opens one Redis
-connection pool (shared by the command client and arq's enqueue client; a cluster events URL
+connection pool (shared by the command client and the queue's client; a cluster events URL
 gets a cluster client, ``services.redis_conn``), the ``StreamHub`` with its own blocking
 connection (``ClusterStreamHub`` on a cluster), and the ``CardCache``, and closes them on
 shutdown. Every router is mounted here; everything under ``/v1`` requires an API key when keys
@@ -16,10 +16,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import msgspec
-from arq.connections import ArqRedis
 from fastapi import Depends, FastAPI
-from redis.asyncio import ConnectionPool
+from redis.asyncio import ConnectionPool, Redis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services import redis_conn
@@ -44,6 +42,7 @@ from services.api.routes import (
 from services.api.sse_asgi import SERVER_SEND
 from services.api.start_timeout import sweep_loop
 from services.api.state import AppState, load_owner_secret, load_reasoning_key
+from services.queue.client import Queue
 from services.redis_conn import queue_client_url
 from shared.config import Settings
 from shared.errors import RequestTooLarge
@@ -140,12 +139,7 @@ def create_app(settings: Settings) -> FastAPI:
         # One single Redis (the default) shares one pool; a separate queue Redis gets its own.
         shared = queue_url == events_url
         queue_pool = redis.connection_pool if shared else ConnectionPool.from_url(queue_url)
-        # Never pickle: the job is msgpack bytes inside an arq envelope that is msgpack too.
-        arq = ArqRedis(
-            queue_pool,
-            job_serializer=msgspec.msgpack.encode,
-            job_deserializer=msgspec.msgpack.decode,
-        )
+        queue = Queue(redis if shared else Redis(connection_pool=queue_pool))
         hub: StreamHub = (
             ClusterStreamHub(events_url, redis)
             if redis_conn.is_cluster(redis)
@@ -160,13 +154,15 @@ def create_app(settings: Settings) -> FastAPI:
             reasoning_when_hidden=settings.reasoning_when_hidden,
         )
         state = AppState(
-            settings=settings, redis=redis, arq=arq, hub=hub, cards=cards, metrics=metrics
+            settings=settings, redis=redis, queue=queue, hub=hub, cards=cards, metrics=metrics
         )
         state.reasoning_key = await load_reasoning_key(redis, settings)
         state.owner_secret = await load_owner_secret(redis, settings)
         app.state.sluice = state
         # Requests nobody streams must time out too (the pipeline covers the watched ones).
-        sweeper = asyncio.create_task(sweep_loop(redis, arq, settings), name="sluice-start-timeout")
+        sweeper = asyncio.create_task(
+            sweep_loop(redis, queue, settings), name="sluice-start-timeout"
+        )
         try:
             yield
         finally:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from services import arq_keys
+from services.queue.client import Queue
 from services.redis_oom import read_memory
 from services.redis_rtt import redis_rtt_histogram
 from shared import keys
@@ -142,19 +142,19 @@ class ApiMetrics:
             "sluice_redis_maxmemory_bytes", "Redis's maxmemory, 0 when unset", registry=r
         )
 
-    async def render(self, redis: aioredis.Redis, queue: aioredis.Redis | None = None) -> bytes:
-        """Read the cluster gauges from Redis (``queue``: arq's, when not ``redis``), then the
-        exposition text of the registry."""
-        await self._read_cluster(redis, queue or redis)
+    async def render(self, redis: aioredis.Redis, queue: Queue | None = None) -> bytes:
+        """Read the cluster gauges from Redis (``queue``: the model queues, when they are not
+        on ``redis``), then the exposition text of the registry."""
+        await self._read_cluster(redis, queue or Queue(redis))
         memory = await read_memory(redis)
         self.redis_used.set(memory.used_bytes)
         self.redis_max.set(memory.max_bytes)
         return generate_latest(self.registry)
 
-    async def _read_cluster(self, redis: aioredis.Redis, queue: aioredis.Redis) -> None:
+    async def _read_cluster(self, redis: aioredis.Redis, queue: Queue) -> None:
         models = sorted(m.decode() for m in await redis.smembers(keys.models()))  # type: ignore[misc]
         worker_ids = [w.decode() for w in await redis.zrange(keys.workers(), 0, -1)]
-        queues = [await arq_keys.waiting(queue, keys.queue(model)) for model in models]
+        queues = [await queue.waiting(model) for model in models]
         async with redis.pipeline(transaction=False) as pipe:
             for model in models:
                 pipe.zcard(keys.inflight(model))

@@ -14,8 +14,8 @@ any event, a worker started it (nothing to do); else it takes the request lease 
 scripts check) and appends ``Error(overloaded, retryable)``. A worker that already holds the
 lease makes the ``SET NX`` fail, so the API backs off; a worker that comes later finds the lease
 taken (``ACQUIRE`` refuses it) or the terminal event in the history it reads first, and does
-nothing. Only after a successful claim is the arq job removed from the queue and the
-request dropped from the in-flight set (best effort: the lease already fences any worker).
+nothing. Only after a successful claim is the job removed from the queue (``Queue.remove``) and
+the request dropped from the in-flight set (best effort: the lease already fences any worker).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from services import arq_keys
+from services.queue.client import Queue
 from shared import keys
 from shared.codec import encode_events
 from shared.config import Settings
@@ -67,7 +67,7 @@ async def start_deadline(redis: aioredis.Redis, rid: str, settings: Settings) ->
 
 
 async def claim_unstarted(
-    redis: aioredis.Redis, rid: str, settings: Settings, *, queue: aioredis.Redis | None = None
+    redis: aioredis.Redis, rid: str, settings: Settings, *, queue: Queue | None = None
 ) -> int:
     """End a request that no worker has started with ``Error(overloaded, retryable=True)``.
 
@@ -75,7 +75,7 @@ async def claim_unstarted(
         redis: the command client (the events Redis).
         rid: the request id.
         settings: the process settings (lease TTL, stream cap, retention).
-        queue: the queue Redis (arq's keys), when it is not ``redis``.
+        queue: the model queues, when they are not on ``redis``.
 
     Returns:
         A ``Claim`` value: ``TIMED_OUT`` when this call wrote the Error (the event reaches every
@@ -99,26 +99,22 @@ async def claim_unstarted(
     )
     if result == Claim.TIMED_OUT:
         logger.warning("%s: no worker started it within %gs", rid, settings.start_timeout_s)
-        await _dequeue(redis, queue or redis, rid)
+        await _dequeue(redis, queue or Queue(redis), rid)
     return result
 
 
-async def _dequeue(redis: aioredis.Redis, queue: aioredis.Redis, rid: str) -> None:
+async def _dequeue(redis: aioredis.Redis, queue: Queue, rid: str) -> None:
     try:
         model = await redis.hget(keys.request(rid), "model")  # type: ignore[misc]
         if model is not None:
             await redis.zrem(keys.inflight(model.decode()), rid)
-        async with queue.pipeline(transaction=False) as pipe:  # arq's keys: the queue Redis
-            if model is not None:
-                pipe.zrem(keys.queue(model.decode()), rid)
-            pipe.delete(arq_keys.job(rid))
-            await pipe.execute()
+        await queue.remove(None if model is None else model.decode(), rid)
     except Exception:  # boundary: the lease already fences any worker; this is tidying up
         logger.exception("%s: could not remove the timed-out job", rid)
 
 
 async def sweep_unstarted(
-    redis: aioredis.Redis, settings: Settings, *, queue: aioredis.Redis | None = None
+    redis: aioredis.Redis, settings: Settings, *, queue: Queue | None = None
 ) -> list[str]:
     """Time out every in-flight request older than ``start_timeout_s`` that no worker started.
 
@@ -128,7 +124,7 @@ async def sweep_unstarted(
 
     Args:
         redis: the command client (the events Redis).
-        queue: the queue Redis (arq's keys), when it is not ``redis``.
+        queue: the model queues, when they are not on ``redis``.
         settings: the process settings.
 
     Returns:
@@ -156,12 +152,12 @@ async def sweep_unstarted(
     return timed_out
 
 
-async def sweep_loop(redis: aioredis.Redis, queue: aioredis.Redis, settings: Settings) -> None:
+async def sweep_loop(redis: aioredis.Redis, queue: Queue, settings: Settings) -> None:
     """``sweep_unstarted`` every ``min(start_timeout_s / 4, 5 s)`` until cancelled.
 
     Args:
         redis: the command client (the events Redis).
-        queue: the queue Redis (arq's keys).
+        queue: the model queues.
         settings: the process settings.
     """
     period = max(0.05, min(settings.start_timeout_s / 4, 5.0))

@@ -11,13 +11,13 @@ import secrets
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from arq.connections import ArqRedis
 from fastapi import Request
 
 from services.api.cards import CardCache
 from services.api.hub import StreamHub
 from services.api.metrics import ApiMetrics
 from services.api.wire.reasoning_tokens import ReasoningSigner, derive_key
+from services.queue.client import Queue
 from shared import keys
 from shared.config import Settings
 
@@ -30,7 +30,7 @@ class AppState:
 
     settings: Settings
     redis: aioredis.Redis
-    arq: ArqRedis
+    queue: Queue  # the model queues (on the queue Redis when it is a separate one)
     hub: StreamHub
     cards: CardCache
     metrics: ApiMetrics = field(default_factory=ApiMetrics)

@@ -55,7 +55,7 @@ __all__ = ["Projector", "collect_events", "sse_response", "tail"]
 logger = logging.getLogger(__name__)
 
 # A client whose connection drops often comes straight back with Last-Event-ID (the SDKs and
-# shared.client do). Cancelling at once would kill the answer it is about to resume, so the
+# sluice_client do). Cancelling at once would kill the answer it is about to resume, so the
 # cancel waits this long and is skipped if this process is streaming the request again by then.
 CANCEL_GRACE_S = 1.0
 
@@ -126,7 +126,7 @@ async def _batches(state: AppState, rid: str, after: str) -> AsyncGenerator[list
                 if deadline <= time.monotonic():
                     # Past the deadline: end it unless a worker got there first (then look
                     # again a keepalive later, in case that worker dies before its Start).
-                    await claim_unstarted(state.redis, rid, state.settings, queue=state.arq)
+                    await claim_unstarted(state.redis, rid, state.settings, queue=state.queue)
                     deadline = time.monotonic() + keepalive_s
                 wait_s = min(wait_s, deadline - time.monotonic())
             entries = await sub.get_batch(max(wait_s, 0.0))

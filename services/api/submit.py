@@ -4,10 +4,10 @@ Every wire route ends in ``submit``. The checks run in order of cost and nothing
 Redis until all of them pass, so a rejected request leaves no trace: unknown model (404), no
 live worker (503), prompt too long for the context (400), queue full (429 with Retry-After);
 a Redis that refuses the writes for want of memory is a 503 with Retry-After too.
-Then one pipeline stores the request hash and the in-flight entry, and the job goes onto arq's
-queue with ``job id = request id`` (a duplicate enqueue is a no-op) and a msgpack payload,
-through the protocol's ``ENQUEUE_BOUNDED`` script: the bound is checked in the same atomic step
-as the enqueue (a refused request's hash and in-flight entry are removed again).
+Then one pipeline stores the request hash and the in-flight entry, and the job goes onto the
+model's queue (``services.queue``) with ``job id = request id`` (a duplicate enqueue is a no-op)
+and a msgpack payload: the bound is checked in the same atomic step as the enqueue (a refused
+request's hash and in-flight entry are removed again).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import msgspec
 from redis.exceptions import ResponseError
 
-from services import arq_keys
 from services.api import access
+from services.queue.client import QUEUE_FULL
 from services.redis_conn import transactional
 from services.redis_oom import OOM_MESSAGE, is_oom
 from shared import keys, logs
@@ -36,7 +36,6 @@ from shared.errors import (
 )
 from shared.jobs import GenerateRequest, Job
 from shared.prompt import NestingError, PromptRenderer, RenderedPrompt
-from shared.protocol import QUEUE_FULL
 
 if TYPE_CHECKING:
     from services.api.state import AppState
@@ -119,8 +118,7 @@ async def _admit(
             max_tokens=wanted,
             context_length=context,
         )
-    queue = keys.queue(job.model)
-    queued = await state.arq.zcard(queue)
+    queued = await state.queue.size(job.model)
     if queued >= state.settings.queue_max:
         raise RateLimited(f"the queue for '{job.model}' is full ({queued} requests)", retry_after=1)
     rid = job.request_id or new_request_id()
@@ -176,11 +174,10 @@ async def render_prompt(renderer: PromptRenderer, job: GenerateRequest) -> Rende
 
 
 async def _enqueue(state: AppState, job: Job) -> int:
-    """arq's enqueue (job id = request id, a duplicate is a no-op) with the queue bound checked
-    atomically: the ``ZCARD`` above is only a cheap early refusal, and a burst would pass it
-    all at once."""
-    return await arq_keys.enqueue(
-        state.arq,
+    """The queue's enqueue (job id = request id, a duplicate is a no-op) with the queue bound
+    checked atomically: the ``size`` above is only a cheap early refusal, and a burst would pass
+    it all at once."""
+    return await state.queue.enqueue(
         job.model,
         job.request_id,
         encode_job(job),

@@ -5,9 +5,8 @@ job under keys derived from its id: the serialized job at ``arq:job:<id>`` until
 finishes it, a marker ``arq:in-progress:<id>`` while a worker runs it (set at pickup with a TTL
 of the longest function timeout plus ten seconds), its result at ``arq:result:<id>``, and more
 beside; the job payload is arq's envelope (``arq.jobs.serialize_job``). These are arq internals,
-not its public API; the start timeout (API) and the recovery sweeper (worker) read them, so an
-arq upgrade that moves them breaks here and nowhere else. Both services may import this module;
-``shared`` may not, because it must not import arq.
+not its public API; only the queue package (``services.queue``) reads them, so an arq upgrade
+that moves them breaks here and nowhere else.
 """
 
 from __future__ import annotations
@@ -15,19 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
 from arq.jobs import serialize_job
 
-from shared.protocol import JOB_FUNCTION, Scripts
-
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
-    from arq.connections import ArqRedis
 
 __all__ = [
     "IN_PROGRESS_EXTRA_S",
-    "enqueue",
     "envelope",
     "in_progress",
     "job",
@@ -78,30 +72,3 @@ def envelope(
 ) -> bytes:
     """The bytes arq stores at ``job(id)``: function name, arguments and enqueue time."""
     return serialize_job(function, (payload,), {}, None, enqueue_ms, serializer=serializer)
-
-
-async def enqueue(
-    arq: ArqRedis,
-    model: str,
-    job_id: str,
-    payload: bytes,
-    *,
-    enqueue_ms: int,
-    expires_ms: int,
-    bound: int,
-) -> int:
-    """Queue a ``generate`` job on ``model``'s queue as arq would, through ``ENQUEUE_BOUNDED``:
-    refused past ``bound`` queued jobs, a no-op for an id already queued or finished, and a ring
-    of the queue's doorbell. ``ENQUEUED``, ``DUPLICATE`` or ``QUEUE_FULL``. The job's place is
-    its enqueue time (at least 1 ms: arq reads a score of 0 as "no job")."""
-    serializer: Callable[[Any], bytes] = arq.job_serializer or msgspec.msgpack.encode
-    return await Scripts(arq).enqueue_bounded(
-        model,
-        job_id,
-        envelope(JOB_FUNCTION, payload, enqueue_ms, serializer),
-        job_key=job(job_id),
-        result_key=result(job_id),
-        score_ms=max(enqueue_ms, 1),
-        expires_ms=expires_ms,
-        bound=bound,
-    )

@@ -1,8 +1,8 @@
 """The queue's doorbell: a worker polls arq's queue when a job arrives, not 100 times a second.
 
-``ENQUEUE_BOUNDED`` (shared/protocol.py; ``arq_keys.enqueue``), the one way jobs enter a
-model's queue, publishes each queued job's score on a channel named like the queue. A worker
-subscribes, and its arq poll loop (``main.OwnJobsWorker``) waits before each poll for a ring, for
+``ENQUEUE_BOUNDED`` (``client.Queue.enqueue``), the one way jobs enter a model's queue,
+publishes each queued job's score on a channel named like the queue. A worker subscribes, and
+its arq poll loop (``consumer.OwnJobsWorker``) waits before each poll for a ring, for
 one of its own jobs to end (a slot a waiting job can take), or for ``SLUICE_IDLE_POLL_S`` at
 most: a ring lost with a dropped subscription delays a pickup by that much, never forever. While
 it is not subscribed (starting, or the subscription failed), it polls every

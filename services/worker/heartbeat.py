@@ -8,11 +8,11 @@ reading its cancel flag. The same pipeline re-publishes the model card's name an
 card is still there, writing it again if not: a Redis that restarted without persistence (or
 failed over to an empty replica) has lost it, and without it the API answers 404 for a model
 that is being served. The hash's ``polled`` field is when the worker last polled its queue
-(poll_backoff.PollMark): ``/readyz`` counts a worker only once it has polled since Redis
-started, since heartbeats resume before a backed-off queue poll does. Per-step cancellation
-is the publisher's job (the flag rides on every publish); this loop only rescues a request
-whose step is stuck (e.g. a long prefill), by cancelling its task once it has been silent for
-a beat.
+(``services.queue.poll_backoff.PollMark``): ``/readyz`` counts a worker only once it has polled
+since Redis started, since heartbeats resume before a backed-off queue poll does. Per-step
+cancellation is the publisher's job (the flag rides on every publish); this loop only rescues a
+request whose step is stuck (e.g. a long prefill), by cancelling its task once it has been
+silent for a beat.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from importlib import metadata
 
 from redis.exceptions import RedisError
 
+from services.queue.poll_backoff import PollMark
 from services.worker.job_function import WorkerContext
-from services.worker.poll_backoff import PollMark
 from shared import keys
 from shared.protocol import LEASE_LOST, Scripts
 

@@ -1,9 +1,10 @@
-"""The arq job function and the per-worker state it runs against.
+"""The job function and the per-worker state it runs against.
 
-``generate(ctx, payload)`` is thin: decode the job, read what the stream already holds (a terminal
-event means a duplicate: do nothing; published token ids mean a continuation: resume after them),
-take the lease, drive ``backend.generate`` through the ``Publisher`` and make sure exactly one
-terminal event ends the stream whatever happens (cancel flag, backend exception, shutdown).
+``generate(wc, payload)``, run by the queue's consumer (``services.queue``), is thin: decode the
+job, read what the stream already holds (a terminal event means a duplicate: do nothing;
+published token ids mean a continuation: resume after them), take the lease, drive
+``backend.generate`` through the ``Publisher`` and make sure exactly one terminal event ends
+the stream whatever happens (cancel flag, backend exception, shutdown).
 It knows nothing about tensors; the backend knows nothing about Redis.
 """
 
@@ -23,6 +24,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from services.queue.client import Queue
 from services.redis_oom import OOM_MESSAGE, is_oom
 from services.worker.backend import Backend
 from services.worker.metrics import RequestTimer, WorkerMetrics
@@ -45,11 +47,9 @@ from shared.events import (
 )
 from shared.jobs import Job
 
-__all__ = ["CTX_KEY", "ActiveJob", "WorkerContext", "generate", "run_job"]
+__all__ = ["ActiveJob", "WorkerContext", "generate", "run_job"]
 
 log = logging.getLogger(__name__)
-
-CTX_KEY = "sluice"  # where main.py puts the WorkerContext in arq's ctx
 
 
 @dataclass
@@ -73,8 +73,8 @@ class WorkerContext:
     backend: Backend
     name: str  # the public model id this worker serves
     wid: str
-    # arq's Redis (``SLUICE_QUEUE_URL``) for the sweeper's queue repairs; None: ``redis``.
-    queue: aioredis.Redis | None = None
+    # The queue (on ``SLUICE_QUEUE_URL``'s Redis) for the sweeper's repairs; None: on ``redis``.
+    queue: Queue | None = None
     active: dict[str, ActiveJob] = field(default_factory=dict)
     stopping: bool = False  # shutting down: in-flight requests are handed over or failed
     killed: bool = False  # test harness hard kill: behave like SIGKILL, publish nothing
@@ -87,9 +87,9 @@ class WorkerContext:
     pipe: PublishPipe | None = None  # sends each decode step's publishes as one pipeline
 
 
-async def generate(ctx: dict[str, Any], payload: bytes) -> None:
-    """The arq job: one generation request (``payload`` = msgpack ``Job``)."""
-    await run_job(ctx[CTX_KEY], decode_job(payload))
+async def generate(wc: WorkerContext, payload: bytes) -> None:
+    """The job: one generation request (``payload`` = msgpack ``Job``)."""
+    await run_job(wc, decode_job(payload))
 
 
 class _Tally:

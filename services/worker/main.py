@@ -1,13 +1,8 @@
-"""Worker start-up: load a backend, publish its card, run the arq worker and the background loops.
+"""Worker start-up: load a backend, publish its card, consume the queue, run the background loops.
 
 ``run_worker`` is what ``sluice worker`` calls. ``start_worker`` starts everything as tasks on
-the running event loop and returns a ``RunningWorker`` (the test harness uses it directly).
-
-arq is configured against its measured pitfalls (docs/benchmarks.md, docs/architecture.md):
-explicit keyword arguments (``WorkerSettings`` inheritance is silently ignored), msgpack envelopes
-(never pickle), ``max_jobs`` = the backend's batch size, a short ``poll_delay``, ``max_tries=1`` and
-no retries (our lease + sweeper recover crashed requests, continuing instead of restarting), a
-long ``job_timeout`` (a generation is not a stuck job), and a health-check key per worker.
+the running event loop and returns a ``RunningWorker`` (the test harness uses it directly). The
+queue's consumption (arq, its doorbell, its poll backoff) is ``services.queue.Consumer``.
 """
 
 from __future__ import annotations
@@ -22,12 +17,8 @@ import socket
 import sys
 import time
 import uuid
-from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
-from arq.connections import ArqRedis
-from arq.worker import Worker, func
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
     RedisError,
@@ -35,24 +26,21 @@ from redis.exceptions import (
 )
 
 from services import redis_conn
+from services.queue.consumer import Consumer
+from services.queue.poll_backoff import Backoff, PollMark
 from services.worker.backend import Backend
 from services.worker.heartbeat import VERSION, beat_once, device_of, heartbeat_loop, retire
-from services.worker.job_function import CTX_KEY, WorkerContext, generate
-from services.worker.poll_backoff import Backoff, PollMark
+from services.worker.job_function import WorkerContext, generate
 from services.worker.publish_pipe import PublishPipe
-from services.worker.queue_bell import QueueBell
 from services.worker.recovery import sweep_loop
 from shared import keys, logs
 from shared.config import Settings
 from shared.model_card import encode_card
-from shared.protocol import JOB_FUNCTION, Scripts
+from shared.protocol import Scripts
 
 __all__ = [
-    "JOB_TIMEOUT_S",
     "SHUTDOWN_GRACE_S",
     "RunningWorker",
-    "arq_deserialize",
-    "arq_serialize",
     "load_backend",
     "run_worker",
     "start_worker",
@@ -60,26 +48,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-JOB_TIMEOUT_S = 6 * 3600  # arq's per-job timeout: only a backstop, leases handle crashes
 SHUTDOWN_GRACE_S = 5.0  # SIGTERM: let in-flight requests finish this long, then hand them over
 START_BACKOFF_MAX_S = 1.0  # the longest wait between start-up attempts to reach Redis
 # A connect that hangs (SYNs dropped while Redis's host or container restarts) gives up after
 # this, so the next attempt's fresh SYN reaches Redis once it is back instead of waiting out the
 # kernel's SYN retransmissions (1, 3, 7, 15 s...). Reaching a Redis takes milliseconds.
 CONNECT_TIMEOUT_S = 1.0
-
-# arq stores failure results as exception objects; msgpack cannot, so they become their repr.
-_ARQ_ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)
-
-
-def arq_serialize(obj: Any) -> bytes:
-    """arq ``job_serializer``: msgpack (job envelopes ``{t,f,a,k,et}`` are plain data)."""
-    return _ARQ_ENCODER.encode(obj)
-
-
-def arq_deserialize(data: bytes) -> Any:
-    """arq ``job_deserializer``: msgpack, never pickle."""
-    return msgspec.msgpack.decode(data)
 
 
 def load_backend(settings: Settings, model_spec: str, name: str | None) -> Backend:
@@ -93,103 +67,29 @@ def load_backend(settings: Settings, model_spec: str, name: str | None) -> Backe
     return TorchBackend.load(settings, model_spec, name)
 
 
-class OwnJobsWorker(Worker):
-    """arq's ``Worker`` without a Redis transaction per running job per poll, that rides out
-    a Redis outage.
-
-    arq leaves a job's id in the queue until the job finishes, so every poll (every 10 ms here)
-    re-checks each job this worker is already running with a WATCH/EXISTS/ZSCORE transaction.
-    While one stream decoded that was ~40 % of the worker's event-loop CPU (py-spy), plus the
-    Redis work, all taken from the cores the model runs on. Ids of this worker's own unfinished
-    jobs are skipped before that check; everything else goes through arq unchanged.
-
-    arq's poll loop has no error handling: the first failed command (a Redis restart, a
-    failover) ends ``main`` and with it the worker. Here a failed poll is retried with a
-    capped exponential backoff (poll_backoff.py: at most half a second between attempts), so
-    consumption resumes by itself within that of Redis answering. While retrying, the doorbell
-    is not waited for: its subscription may look alive on a connection that is dead, and each
-    attempt would wait out the idle poll on top of the stated delay.
-    """
-
-    bell: QueueBell | None = None  # set: poll when it rings (queue_bell.py), not every delay
-    polls = 0  # queue polls made
-    backoff: Backoff | None = None  # set per instance on the first failure
-    mark: PollMark | None = None  # set: successful polls are recorded for the heartbeat
-
-    async def _poll_iteration(self) -> None:
-        backoff = self.backoff
-        if self.bell is not None and (backoff is None or not backoff.failures):
-            await self.bell.wait()
-        self.polls += 1
-        started, started_ms = time.monotonic(), int(time.time() * 1000)
-        try:
-            await super()._poll_iteration()
-        except (RedisError, OSError) as exc:
-            backoff = self.backoff = backoff or Backoff()
-            wait_s = backoff.failed(started)
-            # every failure at debug, warnings rate-limited through a long outage
-            log.log(
-                logging.WARNING if backoff.log_due() else logging.DEBUG,
-                "queue poll failed (%s); retrying in %.2f s (%d failures in a row)",
-                exc,
-                wait_s,
-                backoff.failures,
-            )
-            await asyncio.sleep(wait_s)
-            return
-        recovered = backoff is not None and backoff.succeeded()
-        if self.mark is not None:
-            self.mark.polled(started_ms, urgent=recovered or self.polls == 1)
-        if recovered:
-            log.warning("queue poll recovered")
-
-    async def run_job(self, job_id: str, score: int) -> None:
-        try:
-            await super().run_job(job_id, score)
-        finally:
-            if self.bell is not None:  # a slot is free: a job left waiting for one can start
-                self.bell.ring()
-
-    async def start_jobs(self, job_ids: list[bytes]) -> None:
-        """Start the jobs among ``job_ids`` that this worker is not already running."""
-        running = {jid for jid, task in self.tasks.items() if not task.done()}
-        try:
-            await super().start_jobs([j for j in job_ids if j.decode() not in running])
-        except (RedisError, OSError):
-            # arq failed between taking a slot (counter + semaphore) and starting the task,
-            # the only place its loop can raise: give that one slot back or it leaks for good.
-            self.job_counter -= 1
-            self.sem.release()
-            raise
-
-
 class RunningWorker:
-    """A started worker: the arq worker plus the heartbeat and recovery loops."""
+    """A started worker: the queue's consumer plus the heartbeat and recovery loops."""
 
-    def __init__(self, wc: WorkerContext, arq: ArqRedis, worker: Worker) -> None:
+    def __init__(self, wc: WorkerContext, consumer: Consumer, mark: PollMark) -> None:
         """Start the tasks (called by ``start_worker``)."""
         self.wc = wc
-        self.arq = arq
-        self.worker = worker
+        self.consumer = consumer
         # Every line this worker's tasks log names it (several workers share a test process).
         ctx = contextvars.copy_context()
         ctx.run(logs.bind, worker=wc.wid, model=wc.name)
         self.main_task = asyncio.create_task(
-            worker.async_run(), name=f"arq-{wc.wid}", context=ctx.copy()
+            consumer.run(), name=f"arq-{wc.wid}", context=ctx.copy()
         )
         self._loops = [
             asyncio.create_task(
-                heartbeat_loop(wc, getattr(worker, "mark", None)),
-                name=f"beat-{wc.wid}",
-                context=ctx.copy(),
+                heartbeat_loop(wc, mark), name=f"beat-{wc.wid}", context=ctx.copy()
             ),
             asyncio.create_task(
-                sweep_loop(wc, arq, JOB_TIMEOUT_S), name=f"sweep-{wc.wid}", context=ctx.copy()
+                sweep_loop(wc, consumer.queue), name=f"sweep-{wc.wid}", context=ctx.copy()
             ),
         ]
-        if isinstance(worker, OwnJobsWorker) and worker.bell is not None:
-            bell = worker.bell.listen()
-            self._loops.append(asyncio.create_task(bell, name=f"bell-{wc.wid}", context=ctx.copy()))
+        for loop in consumer.background():
+            self._loops.append(asyncio.create_task(loop, name=f"bell-{wc.wid}", context=ctx.copy()))
         self._closed = False
 
     @property
@@ -207,15 +107,15 @@ class RunningWorker:
         them to a live peer (or end them with ``Error(worker_lost)``), and deregister."""
         if self._closed:
             return
-        self.worker.allow_pick_jobs = False
-        running = [t for t in self.worker.tasks.values() if not t.done()]
+        self.consumer.stop_taking()
+        running = self.consumer.running()
         if running:
             await asyncio.wait(running, timeout=grace_s)
         self.wc.stopping = True
         await self._cancel_all()
         with contextlib.suppress(Exception):
             await retire(self.wc)
-            await self.arq.delete(self.worker.health_check_key)
+            await self.consumer.retire()
         await self._close()
 
     async def kill(self) -> None:
@@ -227,7 +127,7 @@ class RunningWorker:
         await self._close()
 
     async def _cancel_all(self) -> None:
-        tasks = [t for t in self.worker.tasks.values() if not t.done()]
+        tasks = self.consumer.running()
         for t in [*tasks, self.main_task, *self._loops]:
             t.cancel()
         await asyncio.gather(*tasks, self.main_task, *self._loops, return_exceptions=True)
@@ -235,7 +135,7 @@ class RunningWorker:
     async def _close(self) -> None:
         self._closed = True
         self.wc.metrics.close()
-        await self.arq.aclose(close_connection_pool=True)
+        await self.consumer.aclose()
         if self.wc.pipe is not None:
             await self.wc.pipe.aclose()
         await self.wc.redis.aclose()
@@ -245,7 +145,7 @@ class RunningWorker:
 async def start_worker(
     settings: Settings, backend: Backend, *, wid: str | None = None
 ) -> RunningWorker:
-    """Start a worker for ``backend`` on the running loop: card, heartbeat, arq, sweeper."""
+    """Start a worker for ``backend`` on the running loop: card, heartbeat, queue, sweeper."""
     redis = redis_conn.client(
         settings.events_redis_url, worker=True, socket_connect_timeout=CONNECT_TIMEOUT_S
     )
@@ -276,47 +176,25 @@ async def start_worker(
         await pipe.execute()
     mark = PollMark()  # not polled yet: /readyz does not count this worker until it has
     await beat_once(wc, mark)  # registered before the first job can arrive
-    arq = ArqRedis(
-        aioredis.ConnectionPool.from_url(
-            redis_conn.queue_client_url(settings.queue_redis_url),
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
-        ),
-        job_serializer=arq_serialize,
-        job_deserializer=arq_deserialize,
-        default_queue_name=keys.queue(name),
-    )
-    wc.queue = arq  # the sweeper's view of arq's keys
-    worker = OwnJobsWorker(
-        functions=[func(generate, name=JOB_FUNCTION, max_tries=1)],
-        queue_name=keys.queue(name),
-        redis_pool=arq,
-        ctx={CTX_KEY: wc},
-        handle_signals=False,  # we own SIGTERM: drain, hand over, deregister
+    consumer = Consumer(
+        redis_conn.queue_client_url(settings.queue_redis_url),
+        name,
+        lambda payload: generate(wc, payload),
         max_jobs=backend.max_batch,
-        poll_delay=settings.poll_delay_s,
-        job_timeout=JOB_TIMEOUT_S,
-        max_tries=1,
-        retry_jobs=False,
-        # No results: nobody reads them (events go to the stream), and arq's result repeats the
-        # job's arguments, i.e. the prompt, beyond a deleted response. A duplicate of a finished
-        # job is harmless: the job function sees the terminal event and does nothing.
-        keep_result=0,
-        health_check_key=f"{keys.worker(wid)}:arq",
-        health_check_interval=10,
-        job_serializer=arq_serialize,
-        job_deserializer=arq_deserialize,
-        log_results=False,
+        poll_delay_s=settings.poll_delay_s,
+        idle_poll_s=settings.idle_poll_s,
+        health_key=f"{keys.worker(wid)}:arq",
+        connect_timeout_s=CONNECT_TIMEOUT_S,
+        mark=mark,
     )
-    worker.mark = mark
-    if settings.idle_poll_s > 0:
-        worker.bell = QueueBell(arq, keys.queue(name), settings.idle_poll_s)
+    wc.queue = consumer.queue  # the sweeper's repairs
     log.info("worker %s serving %s (max_batch=%d)", wid, name, backend.max_batch)
     if settings.metrics_port:
         try:
             wc.metrics.serve(settings.host, settings.metrics_port)
         except OSError as exc:  # a taken port must not keep the model from serving
             log.warning("metrics endpoint on port %d failed: %s", settings.metrics_port, exc)
-    return RunningWorker(wc, arq, worker)
+    return RunningWorker(wc, consumer, mark)
 
 
 def run_worker(settings: Settings, model_spec: str, name: str | None) -> int:

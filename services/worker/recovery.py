@@ -7,9 +7,9 @@ stream already ended) or claims it atomically (``SET lease recovering:<wid> NX``
 ``claim_lost``) and re-enqueues a continuation job ``{rid}:{attempt}`` from the request hash's
 ``job`` field. The continuation worker resumes after the tokens already on the stream, so the
 client sees one answer. A request that has used up ``max_attempts`` ends with
-``Error(worker_lost)`` instead. Either way the dead runs' arq entries (queue id, in-progress
-marker, payload) are removed, and ``sweep_orphans`` removes those of runs whose request already
-ended, so a crashed worker leaves nothing behind for longer than a sweep.
+``Error(worker_lost)`` instead. Either way the dead runs leave the queue (``Queue.repair``), and
+``sweep_orphans`` repairs those of runs whose request already ended, so a crashed worker leaves
+nothing behind for longer than a sweep.
 
 This replaces arq's own crash handling (re-run from scratch after ``job_timeout + 10 s``), which
 ``max_tries=1`` switches off.
@@ -22,17 +22,15 @@ import json
 import logging
 import time
 
-import redis.asyncio as aioredis
-from arq.connections import ArqRedis
 from redis.exceptions import RedisError
 
-from services import arq_keys
+from services.queue.client import ENQUEUED, Queue
 from services.worker.job_function import WorkerContext
 from services.worker.publisher import Publisher
 from shared import keys
 from shared.codec import decode_entry, decode_job
 from shared.events import Error, is_terminal
-from shared.protocol import ENQUEUED, claim_lost
+from shared.protocol import claim_lost
 
 __all__ = ["ORPHAN_SCAN", "sweep_loop", "sweep_once", "sweep_orphans"]
 
@@ -41,24 +39,22 @@ log = logging.getLogger(__name__)
 ORPHAN_SCAN = 100  # queue ids checked for dead runs per sweep: arq's default queue_read_limit
 
 
-async def sweep_loop(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> None:
+async def sweep_loop(wc: WorkerContext, queue: Queue) -> None:
     """Sweep every ``heartbeat_s`` until cancelled; errors are logged, not fatal."""
     while True:
         await asyncio.sleep(wc.settings.heartbeat_s)
         try:
-            await sweep_once(wc, arq, job_timeout_s)
+            await sweep_once(wc, queue)
             await sweep_orphans(wc, ORPHAN_SCAN)
         except RedisError as exc:
             log.warning("recovery sweep failed: %s", exc)
 
 
-async def sweep_once(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> list[str]:
+async def sweep_once(wc: WorkerContext, queue: Queue) -> list[str]:
     """One pass over the model's in-flight set; returns the request ids it acted on.
 
-    ``job_timeout_s`` is the arq job timeout the workers run with: arq's in-progress key gets
-    ``job_timeout_s + arq_keys.IN_PROGRESS_EXTRA_S`` of TTL at pickup, so its remaining TTL tells
-    how long ago a job was picked up, and a job picked up less than a lease TTL ago may simply not
-    have leased yet.
+    A job picked up less than a lease TTL ago (``Run.running_for_ms``) may simply not have
+    leased yet.
     """
     grace_ms = wc.settings.lease_ttl_s * 1000
     # Entries younger than a lease TTL may sit between the API's ZADD and its enqueue.
@@ -73,34 +69,28 @@ async def sweep_once(wc: WorkerContext, arq: ArqRedis, job_timeout_s: float) -> 
             pipe.exists(keys.lease(rid))
             pipe.exists(keys.events(rid))
         mine = await pipe.execute()
-    async with arq.pipeline(transaction=False) as pipe:  # arq's keys live on the queue Redis
-        for rid in rids:
-            pipe.pttl(arq_keys.in_progress(rid))
-            pipe.zscore(keys.queue(wc.name), rid)
-        theirs = await pipe.execute()
-    in_progress_ms = (job_timeout_s + arq_keys.IN_PROGRESS_EXTRA_S) * 1000
+    runs = await queue.runs(wc.name, rids)
     acted: list[str] = []
-    for i, rid in enumerate(rids):
+    for i, (rid, run) in enumerate(zip(rids, runs, strict=True)):
         leased, started = mine[2 * i : 2 * i + 2]
-        pttl, queued = theirs[2 * i : 2 * i + 2]
         if leased:
             continue
-        if queued is not None and pttl == -2:
+        if run.queued and not run.running:
             continue  # still waiting in the queue: nobody lost it
-        if pttl > 0 and in_progress_ms - pttl < grace_ms:
+        if run.running_for_ms is not None and run.running_for_ms < grace_ms:
             continue  # picked up a moment ago; its lease is on the way
-        if pttl == -2 and not started:
+        if not run.running and not started:
             # Not queued, not running, nothing published: arq dropped it unstarted because it
             # waited past its expiry (a SIGKILLed worker leaves its in-progress marker).
-            if await _requeue_expired(wc, arq, rid):
+            if await _requeue_expired(wc, queue, rid):
                 acted.append(rid)
             continue
-        if await _recover(wc, arq, rid):
+        if await _recover(wc, queue, rid):
             acted.append(rid)
     return acted
 
 
-async def _requeue_expired(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
+async def _requeue_expired(wc: WorkerContext, queue: Queue, rid: str) -> bool:
     """Put a request arq dropped for waiting too long back at its place in the queue, without
     counting an attempt: only the start timeout may end a request that no worker started."""
     async with wc.redis.pipeline(transaction=False) as pipe:
@@ -112,9 +102,8 @@ async def _requeue_expired(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         return False  # ended meanwhile, or its record is gone: the in-flight sweep decides
     n = int(attempts or 0)
     jid = rid if n == 0 else f"{rid}:{n + 1}"
-    await arq.delete(arq_keys.result(jid))  # arq's "expired" record would block the id
-    result = await arq_keys.enqueue(
-        arq,
+    await queue.forget(jid)  # its "expired" record would make the enqueue a DUPLICATE
+    result = await queue.enqueue(
         wc.name,
         jid,
         payload,
@@ -126,9 +115,9 @@ async def _requeue_expired(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
     return result == ENQUEUED
 
 
-def _queue(wc: WorkerContext) -> aioredis.Redis:
-    """Where arq's keys live: the queue Redis when it is a separate one."""
-    return wc.queue or wc.redis
+def _queue(wc: WorkerContext) -> Queue:
+    """The queue: on the queue Redis when it is a separate one."""
+    return wc.queue or Queue(wc.redis)
 
 
 def _job_ids(rid: str, attempts: int) -> list[str]:
@@ -137,36 +126,18 @@ def _job_ids(rid: str, attempts: int) -> list[str]:
 
 
 async def _drop_jobs(wc: WorkerContext, job_ids: list[str]) -> None:
-    """Remove dead runs from arq: queue entry, in-progress marker and job payload.
-
-    arq keeps a running job's id in the queue until the job finishes, and its in-progress key
-    lives ``job_timeout + 10`` s (hours here). A SIGKILLed worker finishes nothing, so without
-    this every worker re-checks those ids on every poll (a transaction each, ~6,000 idle Redis
-    ops/s after one kill in the field) and enough of them fill the ids arq reads per poll
-    (``queue_read_limit``) so that no new request ever starts.
-    """
-    async with _queue(wc).pipeline(transaction=False) as pipe:
-        pipe.zrem(keys.queue(wc.name), *job_ids)
-        pipe.delete(*[arq_keys.in_progress(j) for j in job_ids], *map(arq_keys.job, job_ids))
-        await pipe.execute()
+    """Remove dead runs from the queue (``Queue.repair`` says why that matters)."""
+    await _queue(wc).repair(wc.name, job_ids)
 
 
 async def sweep_orphans(wc: WorkerContext, limit: int) -> list[str]:
-    """Drop arq entries of runs that no worker is doing and no request is waiting for.
+    """Drop queue entries of runs that no worker is doing and no request is waiting for.
 
     A worker killed after its request's terminal event but before arq's own bookkeeping leaves
     a queue entry with an in-progress marker for a request no longer in flight, which the
     in-flight sweep never sees. Only the first ``limit`` ids are looked at: the ones arq reads.
     """
-    queue = _queue(wc)
-    jids = [j.decode() for j in await queue.zrange(keys.queue(wc.name), 0, limit - 1)]
-    if not jids:
-        return []
-    async with queue.pipeline(transaction=False) as pipe:
-        for jid in jids:
-            pipe.exists(arq_keys.in_progress(jid))
-        running = await pipe.execute()
-    suspects = [j for j, r in zip(jids, running, strict=True) if r]
+    suspects = await _queue(wc).running_ids(wc.name, limit)
     suspects = [j for j in suspects if j.partition(":")[0] not in wc.active]
     if not suspects:
         return []
@@ -178,12 +149,12 @@ async def sweep_orphans(wc: WorkerContext, limit: int) -> list[str]:
         flat = await pipe.execute()
     dead = [j for i, j in enumerate(suspects) if not flat[2 * i] and flat[2 * i + 1] is None]
     if dead:
-        log.warning("dropping %d arq entries of finished requests: %s", len(dead), dead[:5])
+        log.warning("dropping %d queue entries of finished requests: %s", len(dead), dead[:5])
         await _drop_jobs(wc, dead)
     return dead
 
 
-async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
+async def _recover(wc: WorkerContext, queue: Queue, rid: str) -> bool:
     last = await wc.redis.xrevrange(keys.events(rid), count=1)
     if last and is_terminal(decode_entry(last[0][1])[-1]):
         await wc.redis.zrem(keys.inflight(wc.name), rid)
@@ -212,8 +183,7 @@ async def _recover(wc: WorkerContext, arq: ArqRedis, rid: str) -> bool:
         return True
     # Hold the claim until a worker starts the continuation (or the job expires unstarted).
     await wc.redis.pexpire(keys.lease(rid), int(wc.settings.job_expires_s * 1000) + lease_ms)
-    queued = await arq_keys.enqueue(
-        arq,
+    queued = await queue.enqueue(
         wc.name,
         f"{rid}:{attempt}",
         payload,

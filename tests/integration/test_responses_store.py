@@ -14,7 +14,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from services import arq_keys
+from services.queue import arq_keys
 from shared import keys
 from shared.codec import decode_job
 from shared.config import Settings

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from services import arq_keys
+from services.queue import arq_keys
 from services.redis_local import PrivateRedis, find_redis_server, start_private_redis
 from shared import keys
 from shared.config import Settings

@@ -10,18 +10,15 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from arq.connections import ArqRedis
 from prometheus_client import generate_latest
 
-from services import arq_keys
-from services.worker.main import JOB_TIMEOUT_S, arq_deserialize, arq_serialize
+from services.queue import ENQUEUED, Queue, arq_keys
 from services.worker.recovery import ORPHAN_SCAN, sweep_once, sweep_orphans
 from services.worker.scripted import ScriptedBackend, parse_spec
 from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage, is_terminal
 from shared.jobs import GenerateRequest, Job, Message, TextPart
-from shared.protocol import ENQUEUED
 from tests.integration.worker_harness import FAST_FAILOVER, running_worker
 from tests.invariants import check_stream, generated_token_ids
 from tests.job_factory import tokenize
@@ -53,23 +50,21 @@ async def submit(
     expires_s: float = 60,
     enqueue_ms: int | None = None,
 ) -> bool:
-    """Do what the API does: request hash, in-flight entry, arq job (id = request id) queued
-    through ENQUEUE_BOUNDED (which rings the queue's doorbell), at ``enqueue_ms`` (default:
-    now)."""
-    arq = ArqRedis.from_url(redis_url)
-    arq.job_serializer, arq.job_deserializer = arq_serialize, arq_deserialize
+    """Do what the API does: request hash, in-flight entry, job (id = request id) queued through
+    ``Queue.enqueue`` (which rings the queue's doorbell), at ``enqueue_ms`` (default: now)."""
+    redis = aioredis.Redis.from_url(redis_url)
     try:
         payload = encode_job(job)
-        await arq.hset(keys.request(job.request_id), mapping={"job": payload, "model": job.model})
-        await arq.zadd(keys.inflight(job.model), {job.request_id: 0}, nx=True)
+        await redis.hset(keys.request(job.request_id), mapping={"job": payload, "model": job.model})
+        await redis.zadd(keys.inflight(job.model), {job.request_id: 0}, nx=True)
         at = enqueue_ms if enqueue_ms is not None else int(time.time() * 1000)
-        enqueued = await arq_keys.enqueue(
-            arq, job.model, job_id or job.request_id, payload, enqueue_ms=at,
+        enqueued = await Queue(redis).enqueue(
+            job.model, job_id or job.request_id, payload, enqueue_ms=at,
             expires_ms=int(expires_s * 1000), bound=2**53,
         )  # fmt: skip
         return enqueued == ENQUEUED
     finally:
-        await arq.aclose()
+        await redis.aclose()
 
 
 async def read_stream(
@@ -291,7 +286,7 @@ async def test_sweeper_leaves_queued_and_live_requests_alone(
         assert await submit(redis_url, make_job("req-busy", worker.name))
         await read_stream(redis, "req-busy", until=2)
         assert await submit(redis_url, make_job("req-queued", worker.name))  # no free slot
-        acted = await sweep_once(worker.running.wc, worker.running.arq, JOB_TIMEOUT_S)
+        acted = await sweep_once(worker.running.wc, worker.running.consumer.queue)
         assert acted == []
         assert await sweep_orphans(worker.running.wc, ORPHAN_SCAN) == []  # in flight: kept
         # A run that died after its request ended (no lease, not in flight) is dropped.

@@ -73,6 +73,19 @@ def test_import_contracts_hold() -> None:
     assert "0 broken" in out.stdout
 
 
+def test_only_the_queue_package_may_import_arq() -> None:
+    """The arq contract names every module of ``services`` but the queue package: a new module
+    left off its list could import arq unchecked."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (arq,) = [c for c in contracts["contracts"] if c["forbidden_modules"] == ["arq"]]
+    tops = {p.stem for p in (ROOT / "services").iterdir() if p.suffix == ".py" or p.is_dir()}
+    tops -= {"__init__", "__pycache__", "queue"}
+    expected = {"shared", "sluice_client"} | {f"services.{t}" for t in tops}
+    assert set(arq["source_modules"]) == expected
+
+
 def test_shared_is_pure_contract() -> None:
     """``shared`` pulls in no service, no torch, no web framework, and does no I/O at import."""
     result = _probe("shared")
@@ -88,8 +101,9 @@ def test_api_never_imports_torch() -> None:
     assert "services.api.app" in result["imported"]
     forbidden = _loaded(result["modules"], "torch", "numpy", "gguf", "safetensors")
     assert forbidden == []
-    both = {"services", "services.arq_keys", "services.redis_conn", "services.redis_rtt"}  # shared
-    both.add("services.redis_oom")
+    both = {"services", "services.redis_conn", "services.redis_rtt", "services.redis_oom"}  # shared
+    # the queue's client side only: the consumer (arq's worker) is the worker's
+    both |= {"services.queue", "services.queue.client", "services.queue.arq_keys"}
     assert _loaded(result["modules"], "services") == [
         m for m in result["modules"] if m in both or m.startswith("services.api")
     ]

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from services.worker.poll_backoff import POLL_BACKOFF_MAX_S, Backoff
+from services.queue.poll_backoff import POLL_BACKOFF_MAX_S, Backoff
 
 
 class _Clock:

@@ -43,7 +43,7 @@ async def readyz(request: Request) -> JSONResponse:
     try:
         # A worker counts once it has beaten and polled its queue since both Redis servers (one
         # unless SLUICE_QUEUE_URL is set) started: its heartbeat resumes before its queue poll.
-        started_ms = max([await _started_ms(state.redis), await _started_ms(state.arq)])
+        started_ms = max([await _started_ms(state.redis), await _started_ms(state.queue.redis)])
         live = await state.cards.live_models(fresh=True, not_before_ms=started_ms)
         memory = await read_memory(state.redis)
     except Exception as exc:  # boundary: a probe reports failure, it does not raise
@@ -77,4 +77,4 @@ async def _started_ms(redis: Any) -> float:
 async def metrics(request: Request) -> Response:
     """Prometheus exposition of this API process, plus the queue gauges read from Redis."""
     state = get_state(request)
-    return Response(await state.metrics.render(state.redis, state.arq), media_type=CONTENT_TYPE)
+    return Response(await state.metrics.render(state.redis, state.queue), media_type=CONTENT_TYPE)

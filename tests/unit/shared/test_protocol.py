@@ -286,25 +286,3 @@ async def test_scripts_survive_a_flushed_script_cache(
         await scripts.queue_acquire(pipe, RID, "w1", LEASE_MS)
         await scripts.queue_refresh(pipe, RID, "w1", LEASE_MS)
         assert await pipe.execute() == [1, 0]
-
-
-async def test_enqueue_bounded_admits_up_to_the_bound_and_never_twice(
-    scripts: Scripts, fake: fakeredis.FakeAsyncRedis
-) -> None:
-    from shared.protocol import DUPLICATE, ENQUEUED, QUEUE_FULL
-
-    async def enqueue(jid: str) -> int:
-        return await scripts.enqueue_bounded(
-            "m", jid, b"payload", job_key=f"job:{jid}", result_key=f"result:{jid}",
-            score_ms=1, expires_ms=60_000, bound=2,
-        )  # fmt: skip
-
-    assert await enqueue("a") == ENQUEUED
-    assert await enqueue("a") == DUPLICATE
-    assert await enqueue("b") == ENQUEUED
-    assert await enqueue("c") == QUEUE_FULL
-    assert await fake.zrange(keys.queue("m"), 0, -1) == [b"a", b"b"]
-    assert await fake.get("job:a") == b"payload" and not await fake.exists("job:c")
-    await fake.set("result:d", b"done")
-    await fake.zrem(keys.queue("m"), "a")
-    assert await enqueue("d") == DUPLICATE  # a finished job's id stays taken
