@@ -1,5 +1,5 @@
-"""sluice's CPU kernels (``matmul.c``, ``q8.c``, ``amx.c``, ``attention.c``, ``forward.c``): built
-on first use, loaded with ctypes.
+"""sluice's CPU kernels (``quantize.c``, ``matmul.c``, ``q8.c``, ``amx.c``, ``attention.c``,
+``forward.c``): built on first use, loaded with ctypes.
 
 Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
 cache directory, loading the library, and stating its ABI on the Python side. Knows nothing about

@@ -128,7 +128,7 @@ typedef struct {
     uint16_t d;
 } sl_block_q6_K;
 
-/* These structs are mirrored field by field by the ctypes Structures in __init__.py (Linear,
+/* These structs are mirrored field by field by the ctypes Structures in abi.py (Linear,
  * Layer, Model, Scratch): change both together. */
 
 /* A packed linear: weights, scales, minimums (Q4_1 only), optional bias, its format (SL_*, with
