@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from services.api.streaming import CANCEL_GRACE_S
 from shared import keys
 from shared.codec import decode_event, decode_job, encode_entry
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage
@@ -182,7 +183,8 @@ async def test_finished_stream_does_not_cancel(
             await xadd(redis, rid, event)
         response = await client.get(f"/v1/requests/{rid}/events")
     assert response.text.count("event: finish") == 1
-    await asyncio.sleep(0.1)
+    # A spurious cancel would land only after the disconnect grace: wait past it.
+    await asyncio.sleep(CANCEL_GRACE_S + 0.5)
     assert not await redis.exists(keys.cancel(rid))
 
 
