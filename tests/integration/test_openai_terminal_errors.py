@@ -66,7 +66,9 @@ async def test_cancelled_before_start_is_cancelled_not_500(
         await redis.set(keys.cancel(chat_id), b"1")  # what a disconnect's cancel leaves behind
         # a worker then takes each job: the flag is up, so it publishes Error(cancelled)
         backend = parse_spec("scripted:text?rate=0", "tiny-test")
-        wc = WorkerContext(settings=settings, redis=redis, backend=backend, name="tiny-test", wid="w")
+        wc = WorkerContext(
+            settings=settings, redis=redis, backend=backend, name="tiny-test", wid="w"
+        )
         for rid in (chat_id, resp_id):
             await run_job(wc, decode_job(await redis.hget(keys.request(rid), "job")))  # type: ignore[misc]
         chat_got = await http.get(f"/v1/chat/completions/{chat_id}")
