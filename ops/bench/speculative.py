@@ -1,0 +1,167 @@
+"""Speculative decoding benchmark: tokens/s with and without prompt-lookup speculation.
+
+Runs the real ``TorchBackend`` on the default model, greedy with EOS honoured up to
+``--tokens``, three workloads: a code edit (a ~2,500-character Python file to be written out
+whole with one rename), a quote (a passage of the prompt to be repeated) and a fresh story. At
+each concurrency the same jobs run with speculation off and on, alternating, in one process on
+one loaded model (the speculator is detached for the "off" runs), so both see the same machine.
+Greedy output is the same either way; the runs check that too. Prints one JSON object per
+measurement:
+
+    .venv/bin/python ops/bench/speculative.py --threads 2 --tokens 256 --concurrency 1 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from services.worker.speculation import Speculator
+from services.worker.torch_backend import TorchBackend
+from shared.config import Settings
+from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
+from shared.prompt import PromptRenderer
+
+SOURCE = Path(__file__).resolve().parents[2] / "services" / "worker" / "sequence.py"
+STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _code() -> str:
+    text = SOURCE.read_text()
+    cut = text.rfind("\n", 0, 2500)
+    return text[:cut]
+
+
+def prompts() -> dict[str, str]:
+    code = _code()
+    passage = code[code.index("@dataclass") :][:1200]
+    return {
+        "code_edit": "Rewrite this Python file, renaming `tokens` to `token_ids` everywhere. "
+        "Output the whole file and nothing else.\n\n```python\n" + code + "\n```",
+        "quote": "Here is a passage:\n\n" + passage + "\n\nQuote the passage above exactly, "
+        "word for word.",
+        "story": STORY,
+    }
+
+
+def job(b: TorchBackend, text: str, i: int, tokens: int) -> Job:
+    req = GenerateRequest(
+        request_id=f"spec-{i}-{time.monotonic_ns()}",
+        model="m",
+        messages=[Message(role="user", content=[TextPart(text=text)])],
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=tokens,
+    )
+    rendered = PromptRenderer(b.card, b.loaded.tokenizer).render(req)
+    return Job.of(req, prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text)
+
+
+async def run(b: TorchBackend, jobs: list[Job]) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s over the span of the runs (after each one's first token), and the ids."""
+
+    async def one(j: Job) -> tuple[float, float, list[int]]:
+        first, ids = 0.0, list[int]()
+        async for batch in b.generate(j, [], 1):
+            for e in batch:
+                ids.extend(getattr(e, "token_ids", ()))
+            if not first and ids:
+                first = time.perf_counter()
+        return first, time.perf_counter(), ids
+
+    runs = await asyncio.gather(*(one(j) for j in jobs))
+    span = max(r[1] for r in runs) - max(r[0] for r in runs)
+    return sum(len(r[2]) - 1 for r in runs) / span, [r[2] for r in runs]
+
+
+async def bench(args: argparse.Namespace) -> None:
+    b = TorchBackend.load(
+        Settings(
+            threads=args.threads,
+            max_batch=max(args.concurrency),
+            speculative=True,
+            speculative_tokens=args.k,
+        ),
+        args.model,
+        None,
+    )
+    spec = b.scheduler.speculator
+    assert isinstance(spec, Speculator)
+    await b.start()
+    try:
+        await run(b, [job(b, STORY, 0, 4)])  # warm-up
+        for name, text in prompts().items():
+            if name not in args.workloads:
+                continue
+            for c in args.concurrency:
+                # distinct prompts (a number in front), so C streams do not share one prefix
+                jobs = [job(b, f"({i + 1}) {text}", i, args.tokens) for i in range(c)]
+                await run(b, [job(b, text, 99, 1)])  # the prompts' common part, cached alike
+                rates: dict[str, list[float]] = {"off": [], "on": []}
+                outputs: dict[str, list[list[int]]] = {}
+                before = (spec.stats.drafts, spec.stats.draft_tokens, spec.stats.accepted_tokens)
+                for _ in range(args.repeats):
+                    for mode in ("off", "on"):
+                        b.scheduler.speculator = spec if mode == "on" else None
+                        rate, ids = await run(b, jobs)
+                        rates[mode].append(rate)
+                        outputs[mode] = ids
+                b.scheduler.speculator = spec
+                drafts, drafted, accepted = (
+                    now - was
+                    for now, was in zip(
+                        (spec.stats.drafts, spec.stats.draft_tokens, spec.stats.accepted_tokens),
+                        before,
+                        strict=True,
+                    )
+                )
+                off, on = max(rates["off"]), max(rates["on"])
+                emit(
+                    {
+                        "workload": name,
+                        "concurrency": c,
+                        "tokens": [len(t) for t in outputs["on"]],
+                        "off_tok_s": round(off, 1),
+                        "on_tok_s": round(on, 1),
+                        "speedup": round(on / off, 2),
+                        "same_output": outputs["on"] == outputs["off"],
+                        "drafted": drafted,
+                        "accepted": accepted,
+                        # vLLM's mean acceptance length: tokens per verifying step
+                        "accepted_per_step": round(1 + accepted / max(drafts, 1), 2),
+                    }
+                )
+    finally:
+        await b.stop()
+
+
+def emit(row: dict[str, object]) -> None:
+    """Print one measurement as JSON."""
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    """Parse arguments and run the benchmark."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    parser.add_argument("--repeats", type=int, default=2, help="best of, per mode")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--workloads", nargs="+", default=["code_edit", "quote", "story"], help="which to run"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    emit({"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "k": args.k}})
+    asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()
