@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.block_pool import NoFreeBlocks
 from services.worker.drafting import NgramIndex
 from services.worker.kv_cache import SeqRows
 from services.worker.paging import Planner
@@ -128,14 +127,14 @@ class Speculator:
 
     @staticmethod
     def _fit(planner: Planner, seq: SequenceState, drafted: int) -> int:
-        """Blocks for ``drafted`` rows past the decode row, as many as are free: how many fit."""
-        size = planner.size
+        """Blocks for ``drafted`` rows past the decode row, as many as plain free blocks allow
+        (a draft, likely partly rejected, never evicts a cached prefix): how many rows fit."""
+        size, pool = planner.size, planner.pool
         want = seq.kv_len + 1 + drafted
         while len(seq.blocks) * size < want:
-            try:
-                seq.blocks.append(planner.cache.allocate())
-            except NoFreeBlocks:
+            if pool.free - pool.cached_free < 1:
                 return max(0, len(seq.blocks) * size - seq.kv_len - 1)
+            seq.blocks.append(planner.cache.allocate())
         return drafted
 
     def verified(self, seq: SequenceState, accepted: int, planner: Planner) -> None:

@@ -51,6 +51,12 @@ def test_a_draft_never_preempts_and_stays_within_limits() -> None:
     p, s = decoding(REPEAT, blocks=2)  # 16 positions: the draft finds no free block
     rows = Speculator(4).propose(p.plan(), p, context_length=1024)
     assert rows == [(s, 2)] and s.draft == [2] and p.preemptions == 0
+    p, s = decoding(REPEAT, blocks=3)  # the sequence holds 2
+    other = p.cache.allocate()
+    p.pool.register(other, b"cached prefix")
+    p.pool.release([other])  # the one free block holds a cached prefix: a draft leaves it be
+    assert Speculator(4).propose(p.plan(), p, context_length=1024) == [(s, 2)]
+    assert p.pool.cached_free == 1
     p, s = decoding(REPEAT, budget=3)  # the step's token budget
     assert Speculator(4).propose(p.plan(), p, context_length=1024) == [(s, 3)]
     p, s = decoding(REPEAT)
