@@ -11,6 +11,7 @@ afterwards no block is held and the prefix cache knows only blocks of tokens act
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -193,12 +194,21 @@ async def test_metrics_count_drafts_and_accepted_tokens(
         engine=spec.scheduler,
     )  # fmt: skip
     await greedy(spec, _prompts()[1], 40)
-    text = generate_latest(metrics.registry).decode()
     stats = _stats(spec)
+    want = {
+        "drafts": stats.drafts,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+    }
+
+    def counted() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        return {n: sample(text, f"sluice_spec_decode_num_{n}_total", model="tiny") for n in want}
+
+    # the stream ends before its last step's on_step hook runs: wait for that hook (bounded)
+    for _ in range(500):
+        if counted() == want:
+            break
+        await asyncio.sleep(0.01)
     assert stats.accepted_tokens > 0
-    for name, value in (
-        ("drafts", stats.drafts),
-        ("draft_tokens", stats.draft_tokens),
-        ("accepted_tokens", stats.accepted_tokens),
-    ):
-        assert sample(text, f"sluice_spec_decode_num_{name}_total", model="tiny") == value
+    assert counted() == want
