@@ -6,7 +6,8 @@ about sampling, batching policy or tokenizers; Qwen2, Qwen3 and Mistral import t
 rather than copying them.
 
 Weights are stored fused (``qkv`` and ``gate_up``) so a decode step runs two matmuls per block
-instead of five; ``load_hf_weights`` maps Hugging Face tensor names onto them.
+instead of five; ``load_hf_weights`` maps Hugging Face tensor names onto them
+(``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from services.worker import fused_ops
 from services.worker.kv_cache import AttentionBatch, PagedKVCache
+from services.worker.models.checkpoint import WeightError, check_tensors, fused_names
 from services.worker.paged_attention import paged_attention
 
 __all__ = [
@@ -33,10 +35,6 @@ __all__ = [
     "WeightError",
     "rope_inv_freq",
 ]
-
-
-class WeightError(ValueError):
-    """A checkpoint tensor is missing, unexpected or has the wrong shape (named in the message)."""
 
 
 @dataclass(frozen=True)
@@ -310,15 +308,6 @@ class Block(nn.Module):
         return x, self.mlp(h)
 
 
-def _fuse(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    """Concatenate projections along the output dim, naming them if their shapes disagree."""
-    parts = [tensors.pop(n) for n in names]
-    if len({p.shape[1:] for p in parts}) != 1:
-        shapes = {n: tuple(p.shape) for n, p in zip(names, parts, strict=True)}
-        raise WeightError(f"tensor shapes do not fit together: {shapes}")
-    return torch.cat(parts)
-
-
 class LlamaModel(nn.Module):
     """Decoder-only transformer; ``forward`` returns logits of the batch's ``logit_rows``."""
 
@@ -383,34 +372,12 @@ class LlamaModel(nn.Module):
         Raises:
             WeightError: a tensor is missing, unexpected, or has the wrong shape.
         """
-        tensors = dict(tensors)
+        fused = fused_names(tensors, self.config.num_layers)
         own = self.state_dict()
-        fused: dict[str, torch.Tensor] = {}
-        for i in range(self.config.num_layers):
-            pre = f"model.layers.{i}."
-            for kind in ("weight", "bias"):
-                names = [f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv"]
-                if all(n in tensors for n in names):
-                    fused[f"layers.{i}.self_attn.qkv.{kind}"] = _fuse(tensors, names)
-            names = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
-            if all(n in tensors for n in names):
-                fused[f"layers.{i}.mlp.gate_up.weight"] = _fuse(tensors, names)
-        for name, t in tensors.items():
-            fused[name.removeprefix("model.")] = t
         if self.config.tie_word_embeddings:
             fused.pop("lm_head.weight", None)
             own.pop("lm_head.weight", None)
-        missing = sorted(set(own) - set(fused))
-        unexpected = sorted(set(fused) - set(own))
-        if missing or unexpected:
-            raise WeightError(f"missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-        for name, t in fused.items():
-            if tuple(t.shape) != tuple(own[name].shape):
-                raise WeightError(
-                    f"tensor {name}: shape {tuple(t.shape)}, expected {tuple(own[name].shape)}"
-                )
-            if not t.is_meta and not torch.isfinite(t).all():  # meta: checked by its loader
-                raise WeightError(f"tensor {name} holds NaN or infinite values")
+        check_tensors(fused, own)
         # assign=True adopts the tensors, so a model built on the meta device needs no init pass.
         self.load_state_dict(fused, strict=False, assign=True)
         if self.config.tie_word_embeddings:
