@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
+from machine_load import emit  # ops/bench is the script's directory: on sys.path
 
 from services.worker.speculation import Speculator
 from services.worker.torch_backend import TorchBackend
@@ -138,11 +138,6 @@ async def bench(args: argparse.Namespace) -> None:
                 )
     finally:
         await b.stop()
-
-
-def emit(row: dict[str, object]) -> None:
-    """Print one measurement as JSON."""
-    print(json.dumps(row), flush=True)
 
 
 def main() -> None:
