@@ -5,7 +5,8 @@ API admits into it, the workers consume from it, the sweepers repair it, and the
 ``sluice status`` count it, all through two doors:
 
 - ``client.Queue`` (API, sweepers, status): ``enqueue`` (bounded and idempotent, ringing the
-  queue's doorbell: ``ENQUEUED``, ``DUPLICATE`` or ``QUEUE_FULL``), ``size``, ``waiting``,
+  queue's doorbell: ``ENQUEUED``, ``DUPLICATE`` or ``QUEUE_FULL``), ``enqueue_all`` (the
+  choices of one request, all or none), ``size``, ``waiting``,
   ``remove`` (a job that never started), and for the recovery sweeper ``runs`` (queued? picked
   up how long ago?), ``running_ids``, ``forget`` and ``repair(model, dead_runs)``.
 - ``consumer.Consumer`` (worker): runs a handler per job payload on as many jobs at once as the

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DUPLICATE",
     "ENQUEUED",
+    "ENQUEUE_ALL",
     "ENQUEUE_BOUNDED",
     "JOB_TIMEOUT_S",
     "QUEUE_FULL",
@@ -49,6 +50,25 @@ doorbell (``services/queue/bell.py``): PUBLISH of its score on the channel named
 (the queue Redis is never a cluster)."""
 ENQUEUED, DUPLICATE, QUEUE_FULL = 1, 0, -1
 
+# The jobs of one request with ``n`` choices, all or none: nothing is written unless every id
+# is new and the queue has room for all of them, so a full queue never starts 2 choices of 3.
+# KEYS: queue zset, then each job's payload key and result key. ARGV: score (ms), payload TTL
+# (ms), bound, then each job's id and payload. One ring: the jobs share a score, and one poll
+# takes them together (which is what lets them share the prompt's prefill on one worker).
+ENQUEUE_ALL = """
+local n = (#KEYS - 1) / 2
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[2 * i], KEYS[2 * i + 1]) > 0 then return 0 end
+end
+if redis.call('ZCARD', KEYS[1]) + n > tonumber(ARGV[3]) then return -1 end
+for i = 1, n do
+  redis.call('SET', KEYS[2 * i], ARGV[3 + 2 * i], 'PX', ARGV[2])
+  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2 + 2 * i])
+end
+redis.call('PUBLISH', KEYS[1], ARGV[1])
+return 1
+"""
+
 # msgpack, never pickle: the job envelope is plain data (the worker decodes it the same way).
 _ENCODE = msgspec.msgpack.encode
 
@@ -72,6 +92,7 @@ class Queue:
         self.redis = redis
         self.job_timeout_s = job_timeout_s
         self._enqueue = redis.register_script(ENQUEUE_BOUNDED)
+        self._enqueue_all = redis.register_script(ENQUEUE_ALL)
 
     async def enqueue(
         self,
@@ -91,6 +112,26 @@ class Queue:
         keys_ = [keys.queue(model), arq_keys.job(job_id), arq_keys.result(job_id)]
         args: list[Any] = [job_id, body, max(enqueue_ms, 1), expires_ms, bound]
         return int(await self._enqueue(keys_, args))
+
+    async def enqueue_all(
+        self,
+        model: str,
+        jobs: list[tuple[str, bytes]],
+        *,
+        enqueue_ms: int,
+        expires_ms: int,
+        bound: int,
+    ) -> int:
+        """Queue several jobs (``(job id, payload)``) at once or none of them: ``QUEUE_FULL``
+        unless all fit under ``bound``, ``DUPLICATE`` if any id is queued or finished, else
+        ``ENQUEUED`` and one ring of the doorbell."""
+        score = max(enqueue_ms, 1)
+        keys_ = [keys.queue(model)]
+        args: list[Any] = [score, expires_ms, bound]
+        for job_id, payload in jobs:
+            keys_ += [arq_keys.job(job_id), arq_keys.result(job_id)]
+            args += [job_id, arq_keys.envelope(JOB_FUNCTION, payload, enqueue_ms, _ENCODE)]
+        return int(await self._enqueue_all(keys_, args))
 
     async def size(self, model: str) -> int:
         """Jobs in ``model``'s queue, waiting or running (what the bound counts): one ZCARD."""
