@@ -4,49 +4,35 @@ Owns which of the pool's fixed-size blocks are free, which running sequences hol
 and which full blocks are known by content. Knows nothing about tensors, models or requests:
 the scheduler asks for blocks and hands them back; ``kv_cache.PagedKVCache`` owns the memory.
 
-A full block is known by a hash chain (vLLM's automatic prefix caching scheme): its hash covers
-its predecessor's hash and its own tokens, so equal hashes mean equal whole prefixes, and a
-block's keys and values depend only on that prefix (the kernels compute a token's key, value and
-logits to the same bits whatever batch, chunk or thread count computed them). The chain starts
-from a root salted with the model, so two models never share a block. SHA-256 (truncated to 16
-bytes) rather than Python's ``hash``: a colliding block would hand one tenant's keys and values
-to another's prompt, and a 64-bit non-cryptographic hash can be collided on purpose.
+A full block is known by its hash in the prompt's chain (``shared/prefix.py``, shared with the
+API, which computes the same chain for the queue's cache-aware pickup): equal hashes mean equal
+whole prefixes, and a block's keys and values depend only on that prefix (the kernels compute a
+token's key, value and logits to the same bits whatever batch, chunk or thread count computed
+them).
 
 A block whose last holder releases it stays cached: it moves to an LRU of free-but-cached
 blocks, from which a later prompt with the same prefix takes it back, and from which allocation
 evicts the oldest only when no plain free block is left. Plain free blocks are handed out lowest
 index first, so memory that was ever touched is reused before fresh pages are.
+
+With a ``journal`` set, every change to the set of known blocks is appended to it as
+``(known, hash)``: the worker publishes from it which prefixes it holds, so the queue can send a
+prompt to the worker that holds most of it (``services/queue/affinity.py``). The decode thread
+appends and the event loop drains; a deque's appends and pops are thread-safe.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
+
+from shared.prefix import chain_hashes, root_hash
 
 __all__ = ["BlockPool", "NoFreeBlocks", "chain_hashes", "root_hash"]
 
 
 class NoFreeBlocks(RuntimeError):
     """Every block is held by a running sequence."""
-
-
-def root_hash(model: str) -> bytes:
-    """The chain's root for ``model``: no block of another model can ever match."""
-    return hashlib.sha256(b"sluice-kv\0" + model.encode()).digest()[:16]
-
-
-def chain_hashes(
-    tokens: list[int], upto: int, block_size: int, parents: list[bytes], root: bytes
-) -> None:
-    """Extend ``parents`` (the hashes of the first ``len(parents)`` blocks of ``tokens``) with the
-    hash of every further full block within ``tokens[:upto]``."""
-    prev = parents[-1] if parents else root
-    for start in range(len(parents) * block_size, upto - block_size + 1, block_size):
-        ids = array("q", tokens[start : start + block_size]).tobytes()
-        prev = hashlib.sha256(prev + ids).digest()[:16]
-        parents.append(prev)
 
 
 class BlockPool:
@@ -62,6 +48,7 @@ class BlockPool:
         self._plain = list(range(num_blocks))  # a min-heap of free blocks holding nothing known
         self._lru: OrderedDict[int, None] = OrderedDict()  # free but cached, oldest first
         self.evictions = 0  # cached blocks reused for other content
+        self.journal: deque[tuple[bool, bytes]] | None = None  # (known?, hash) per change
 
     @property
     def free(self) -> int:
@@ -91,6 +78,8 @@ class BlockPool:
             known = self.hash_of[block]
             if known is not None and self.by_hash.get(known) == block:
                 del self.by_hash[known]
+                if self.journal is not None:
+                    self.journal.append((False, known))
             self.hash_of[block] = None
             self.evictions += 1
         else:
@@ -133,11 +122,15 @@ class BlockPool:
         if h not in self.by_hash:
             self.by_hash[h] = block
             self.hash_of[block] = h
+            if self.journal is not None:
+                self.journal.append((True, h))
 
     def clear_cache(self) -> None:
         """Forget every cached prefix (free cached blocks become plain free blocks)."""
         for block in self._lru:
             heapq.heappush(self._plain, block)
         self._lru.clear()
+        if self.journal is not None:
+            self.journal.extend((False, h) for h in self.by_hash)
         self.by_hash.clear()
         self.hash_of = [None] * self.num_blocks

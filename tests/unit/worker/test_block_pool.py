@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from services.worker.block_pool import BlockPool, NoFreeBlocks, chain_hashes, root_hash
+from shared.prefix import prompt_chain
 
 ROOT = root_hash("m")
 
@@ -91,3 +94,33 @@ def test_a_duplicate_block_stays_plain_and_clear_forgets_everything() -> None:
     assert pool.match(h) == [a] and pool.cached_free == 1
     pool.clear_cache()
     assert pool.match(h) == [] and pool.free == 3 and pool.cached_free == 0
+
+
+def test_the_journal_records_every_change_to_the_known_blocks() -> None:
+    """What the worker publishes for cache-aware pickup: known blocks in, evicted ones out."""
+    pool = BlockPool(2, 4)
+    pool.journal = deque()
+    first, second, third = hashes([1, 1, 1, 1]), hashes([2, 2, 2, 2]), hashes([3, 3, 3, 3])
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, first[0])
+    pool.register(b, second[0])
+    pool.register(b, first[0])  # a prefix computed twice side by side: the first stays known
+    pool.release([a, b])  # last first: b is the older entry of the LRU
+    c = pool.allocate()  # evicts it
+    pool.register(c, third[0])
+    assert list(pool.journal) == [
+        (True, first[0]),
+        (True, second[0]),
+        (False, second[0]),
+        (True, third[0]),
+    ]
+    pool.journal.clear()
+    pool.clear_cache()
+    assert sorted(pool.journal) == sorted([(False, first[0]), (False, third[0])])
+
+
+def test_the_worker_and_the_api_hash_a_prompt_alike() -> None:
+    """The queue's preference and the prefix cache key on the same chain (shared.prefix)."""
+    tokens = list(range(37))
+    assert prompt_chain("m", tokens, 4) == hashes(tokens)
+    assert prompt_chain("other", tokens, 4)[0] != hashes(tokens)[0]
