@@ -8,6 +8,9 @@ from __future__ import annotations
 
 __all__ = [
     "PREFIX",
+    "affinity_blocks",
+    "affinity_holders",
+    "affinity_preference",
     "cancel",
     "events",
     "failovers",
@@ -76,6 +79,22 @@ def models() -> str:
 def queue(model: str) -> str:
     """The arq queue (sorted set) for one model."""
     return f"{PREFIX}:queue:{model}"
+
+
+def affinity_holders(model: str) -> str:
+    """Hash of the workers that publish the prefixes they hold for a model's queue: worker id to
+    ``"<free slots> <expiry, Redis ms> <reserved>"`` (``services/queue/affinity.py``)."""
+    return f"{PREFIX}:affinity:{model}"
+
+
+def affinity_blocks(wid: str) -> str:
+    """Set of the KV block hashes (``shared.prefix``) a worker's prefix cache holds (TTL)."""
+    return f"{PREFIX}:affinity-blocks:{wid}"
+
+
+def affinity_preference(job_id: str) -> str:
+    """A queued job's preferred worker: ``"<worker id> <deadline, Redis ms> <blocks held>"``."""
+    return f"{PREFIX}:affinity-job:{job_id}"
 
 
 def inflight(model: str) -> str:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from services.queue import arq_keys
+from services.queue import affinity, arq_keys
 from shared import keys
 from shared.protocol import JOB_FUNCTION
 
@@ -24,6 +24,7 @@ __all__ = [
     "ENQUEUED",
     "ENQUEUE_ALL",
     "ENQUEUE_BOUNDED",
+    "ENQUEUE_PREFERRING",
     "JOB_TIMEOUT_S",
     "QUEUE_FULL",
     "Queue",
@@ -37,17 +38,23 @@ JOB_TIMEOUT_S = 6 * 3600  # arq's per-job timeout: only a backstop, leases handl
 # cannot all pass a ``ZCARD`` read before any of them has enqueued. KEYS: queue zset, job
 # payload key, job result key. ARGV: job id, payload, score (ms), payload TTL (ms), bound.
 # Returns ENQUEUED, DUPLICATE (a job with that id exists or has a result) or QUEUE_FULL.
-ENQUEUE_BOUNDED = """
+_ADMIT = """
 if redis.call('EXISTS', KEYS[2], KEYS[3]) > 0 then return 0 end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[5]) then return -1 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[4])
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+"""
+_RING = """
 redis.call('PUBLISH', KEYS[1], ARGV[3])
 return 1
 """
+ENQUEUE_BOUNDED = _ADMIT + _RING
 """arq's enqueue with the queue's bound checked atomically; a queued job also rings the queue's
 doorbell (``services/queue/bell.py``): PUBLISH of its score on the channel named like the queue
 (the queue Redis is never a cluster)."""
+# The same, recording which worker the job prefers (``affinity.PREFER``: its extra KEYS and
+# ARGV follow the bounded enqueue's) before the ring, so the preferred worker's poll sees it.
+ENQUEUE_PREFERRING = _ADMIT + affinity.PREFER + _RING
 ENQUEUED, DUPLICATE, QUEUE_FULL = 1, 0, -1
 
 # The jobs of one request with ``n`` choices, all or none: nothing is written unless every id
@@ -92,6 +99,7 @@ class Queue:
         self.redis = redis
         self.job_timeout_s = job_timeout_s
         self._enqueue = redis.register_script(ENQUEUE_BOUNDED)
+        self._enqueue_preferring = redis.register_script(ENQUEUE_PREFERRING)
         self._enqueue_all = redis.register_script(ENQUEUE_ALL)
 
     async def enqueue(
@@ -103,15 +111,22 @@ class Queue:
         enqueue_ms: int,
         expires_ms: int,
         bound: int,
+        prefix: list[bytes] | None = None,
+        affinity_wait_ms: int = 0,
     ) -> int:
         """Queue a job (``payload``: a msgpack ``Job``) on ``model``'s queue: refused past
         ``bound`` queued jobs, a no-op for an id already queued or finished, and a ring of the
         queue's doorbell. ``ENQUEUED``, ``DUPLICATE`` or ``QUEUE_FULL``. The job's place is its
-        enqueue time (at least 1 ms: arq reads a score of 0 as "no job")."""
+        enqueue time (at least 1 ms: arq reads a score of 0 as "no job"). With ``prefix`` (the
+        prompt's block hash chain, ``shared.prefix.prompt_chain``) and ``affinity_wait_ms`` > 0,
+        the worker holding the longest part of it gets the job first (``affinity.py``)."""
         body = arq_keys.envelope(JOB_FUNCTION, payload, enqueue_ms, _ENCODE)
         keys_ = [keys.queue(model), arq_keys.job(job_id), arq_keys.result(job_id)]
         args: list[Any] = [job_id, body, max(enqueue_ms, 1), expires_ms, bound]
-        return int(await self._enqueue(keys_, args))
+        if prefix is None or affinity_wait_ms <= 0:
+            return int(await self._enqueue(keys_, args))
+        more_keys, more_args = affinity.prefer_args(model, job_id, prefix, affinity_wait_ms)
+        return int(await self._enqueue_preferring([*keys_, *more_keys], [*args, *more_args]))
 
     async def enqueue_all(
         self,

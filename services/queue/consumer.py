@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -24,6 +25,7 @@ from arq.connections import ArqRedis
 from arq.worker import Worker, func
 from redis.exceptions import RedisError
 
+from services.queue.affinity import Claims, Holdings
 from services.queue.bell import QueueBell
 from services.queue.client import JOB_TIMEOUT_S, Queue
 from services.queue.poll_backoff import Backoff, PollMark
@@ -67,6 +69,10 @@ class OwnJobsWorker(Worker):
     """
 
     bell: QueueBell | None = None  # set: poll when it rings (bell.py), not every delay
+    claims: Claims | None = None  # set: cache-aware pickup (affinity.py) filters each poll
+    holdings: Holdings | None = None  # set: told when a slot is taken or freed
+    on_pickup: Callable[[str], None] | None = None  # each started job's affinity outcome
+    _wake: asyncio.TimerHandle | None = None  # the next poll, for a job left to another worker
     polls = 0  # queue polls made
     backoff: Backoff | None = None  # set per instance on the first failure
     mark: PollMark | None = None  # set: successful polls are recorded for the heartbeat
@@ -104,18 +110,50 @@ class OwnJobsWorker(Worker):
         finally:
             if self.bell is not None:  # a slot is free: a job left waiting for one can start
                 self.bell.ring()
+            if self.holdings is not None:
+                self.holdings.changed()
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
-        """Start the jobs among ``job_ids`` that this worker is not already running."""
+        """Start the jobs among ``job_ids`` that this worker is not already running (and, with
+        cache-aware pickup, may start now)."""
         running = {jid for jid, task in self.tasks.items() if not task.done()}
+        ids = [j for j in job_ids if j.decode() not in running]
+        outcomes: dict[str, str] = {}
+        if self.claims is not None and ids:
+            outcomes, soonest = await self.claims.claimable([j.decode() for j in ids])
+            ids = [j for j in ids if j.decode() in outcomes]
+            if soonest is not None:
+                self._poll_at(soonest)
         try:
-            await super().start_jobs([j for j in job_ids if j.decode() not in running])
+            await super().start_jobs(ids)
         except (RedisError, OSError):
             # arq failed between taking a slot (counter + semaphore) and starting the task,
             # the only place its loop can raise: give that one slot back or it leaks for good.
             self.job_counter -= 1
             self.sem.release()
             raise
+        finally:
+            self._started(outcomes, running)
+
+    def _started(self, outcomes: dict[str, str], running: set[str]) -> None:
+        """Count the affinity outcome of each job this poll started, and publish the slots."""
+        started = [jid for jid in outcomes if jid in self.tasks and jid not in running]
+        if self.on_pickup is not None:
+            for jid in started:
+                self.on_pickup(outcomes[jid])
+        if started and self.holdings is not None:
+            self.holdings.changed()
+
+    def _poll_at(self, delay_s: float) -> None:
+        """Poll again in ``delay_s`` (a job left to its preferred worker may be ours by then)."""
+        if self.bell is None:
+            return  # polls come every poll delay anyway
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay_s + 0.001
+        if self._wake is None or self._wake.when() <= loop.time() or self._wake.when() > when:
+            if self._wake is not None:
+                self._wake.cancel()
+            self._wake = loop.call_at(when, self.bell.ring)
 
 
 class Consumer:
@@ -133,10 +171,16 @@ class Consumer:
         health_key: str,
         connect_timeout_s: float,
         mark: PollMark | None = None,
+        affinity_wid: str | None = None,
+        journal: deque[tuple[bool, bytes]] | None = None,
+        on_pickup: Callable[[str], None] | None = None,
     ) -> None:
         """Connect (lazily) to the queue Redis at ``url``; ``handler`` runs one job's payload
         (a msgpack ``Job``); ``health_key``: arq's per-worker health-check key; ``mark``: told
-        of every successful poll (the heartbeat's readiness)."""
+        of every successful poll (the heartbeat's readiness). ``affinity_wid`` turns on
+        cache-aware pickup as that worker (``affinity.py``): it publishes the blocks its prefix
+        cache holds from ``journal`` (the block pool's; None: slots only) and reports each
+        started job's outcome to ``on_pickup``."""
         self._arq = ArqRedis(
             aioredis.ConnectionPool.from_url(url, socket_connect_timeout=connect_timeout_s),
             job_serializer=arq_serialize,
@@ -172,6 +216,17 @@ class Consumer:
         self.worker.mark = mark
         if idle_poll_s > 0:
             self.worker.bell = QueueBell(self._arq, keys.queue(model), idle_poll_s)
+        if affinity_wid is not None:
+            w = self.worker
+            self.worker.claims = Claims(self._arq, model, affinity_wid)
+            self.worker.holdings = Holdings(
+                self._arq,
+                model,
+                affinity_wid,
+                lambda: w.max_jobs - w.job_counter if w.allow_pick_jobs else 0,
+                journal,
+            )
+            self.worker.on_pickup = on_pickup
 
     async def run(self) -> None:
         """Poll and run jobs until cancelled (or until arq's loop fails for good)."""
@@ -179,19 +234,26 @@ class Consumer:
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         """What must run beside ``run`` as tasks: the doorbell's subscription, when there is one."""
-        return [] if self.worker.bell is None else [self.worker.bell.listen()]
+        loops = [] if self.worker.bell is None else [self.worker.bell.listen()]
+        if self.worker.holdings is not None:
+            loops.append(self.worker.holdings.run())
+        return loops
 
     def stop_taking(self) -> None:
         """Take no new jobs; running ones go on."""
         self.worker.allow_pick_jobs = False
+        if self.worker.holdings is not None:  # no slot free: preferred for nothing more
+            self.worker.holdings.changed()
 
     def running(self) -> list[asyncio.Task[Any]]:
         """The jobs this consumer runs now."""
         return [t for t in self.worker.tasks.values() if not t.done()]
 
     async def retire(self) -> None:
-        """Remove this worker's health-check key (a clean stop)."""
+        """Remove this worker's health-check key and its prefix holdings (a clean stop)."""
         await self._arq.delete(self.worker.health_check_key)
+        if self.worker.holdings is not None:
+            await self.worker.holdings.retire()
 
     async def aclose(self) -> None:
         """Close the queue connections."""
