@@ -89,6 +89,20 @@ class ConstraintState:
             return self.reasoning.open_id
         return None
 
+    def admits(self, draft: list[int]) -> int:
+        """How many leading tokens of ``draft`` (speculative decoding) can be verified with
+        masks filled before the forward: in the answer, those the grammar allows; in a
+        reasoning block, those before its close marker (the answer's first token needs the
+        matcher's mask); at the answer's start, none (its open marker may switch the phase)."""
+        if self.broken:
+            return len(draft)
+        if self.inside:
+            close = None if self.reasoning is None else self.reasoning.close_id
+            return draft.index(close) if close in draft else len(draft)
+        if self.open_allowed() is not None:
+            return 0
+        return int(self.matcher.validate_tokens(draft))
+
     def feed(self, token: int) -> None:
         """Account one chosen token: reasoning markers switch phase, answer tokens advance."""
         markers = self.reasoning
@@ -167,23 +181,47 @@ class Constrainer:
             state.feed(token)
         return state
 
-    def begin(self, states: list[ConstraintState | None]) -> PendingMasks | None:
-        """Start filling the masks of one step's rows; None when no row is constrained."""
-        rows = [i for i, s in enumerate(states) if s is not None and s.active]
-        if not rows:
+    def begin(
+        self, states: list[ConstraintState | None], drafts: list[list[int]] | None = None
+    ) -> PendingMasks | None:
+        """Start filling the masks of one step's logit rows; None when no row is constrained.
+
+        ``states`` has one entry per sequence with logits, in row order. A sequence with a
+        draft (``drafts``, speculative decoding) owns ``1 + len(draft)`` consecutive rows, its
+        last token's and each draft token's: row ``j + 1`` is masked as if the draft's first
+        ``j + 1`` tokens had been chosen (llguidance consumes them and rolls the matcher back),
+        which is the state it is read in, since a row is only used while the draft is accepted.
+        The draft must be one the grammar accepts (``ConstraintState.admits``).
+        """
+        drafts = drafts or [[] for _ in states]
+        rows: list[int] = []
+        work: list[tuple[ConstraintState, int, list[int]]] = []  # state, its first mask, draft
+        at = 0
+        for s, draft in zip(states, drafts, strict=True):
+            if s is not None and s.active:
+                work.append((s, len(rows), draft))
+                rows.extend(range(at, at + 1 + len(draft)))
+            at += 1 + len(draft)
+        if not work:
             return None
-        active = [s for s in states if s is not None and s.active]
-        return self._pool.submit(self._fill, rows, active)
+        return self._pool.submit(self._fill, rows, work)
 
     def _fill(
-        self, rows: list[int], states: list[ConstraintState]
+        self, rows: list[int], work: list[tuple[ConstraintState, int, list[int]]]
     ) -> tuple[list[int], torch.Tensor]:
         began = time.perf_counter()
+        if len(rows) > self._masks.shape[0]:  # draft rows: more than one a sequence
+            self._masks = torch.full((len(rows), self._words), -1, dtype=torch.int32)
         masks = self._masks[: len(rows)]
         assert self._executor is not None
-        pairs = [(s.matcher, k) for k, s in enumerate(states)]
-        self._executor.unsafe_compute_mask_ptr(pairs, masks.data_ptr(), self._words * 4, len(rows))
-        for k, s in enumerate(states):
+        ptr, size = masks.data_ptr(), self._words * 4
+        pairs = [(s.matcher, k) for s, k, draft in work if not draft]
+        if pairs:
+            self._executor.unsafe_compute_mask_ptr(pairs, ptr, size, len(rows))
+        triples = [(s.matcher, k, draft) for s, k, draft in work if draft]  # never empty ones
+        if triples:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(triples, ptr, size, len(rows))
+        for s, k, _ in work:
             open_id = s.open_allowed()
             if open_id is not None:
                 masks[k, open_id // 32] |= 1 << (open_id % 32)

@@ -27,9 +27,10 @@ class NgramIndex:
         self.max_n, self.min_n = max_n, min_n
         self._next: dict[tuple[int, ...], int] = {}
         self._ends = 0  # n-grams ending before this position are indexed
-        # the speculator's pacing for this sequence (``Speculator.verified``): the next draft's
-        # length, steps to go without drafting, and drafts in a row wholly rejected
-        self.length: int | None = None
+        # the speculator's pacing for this sequence (``Speculator.verified``): the estimated
+        # chance that a draft token is accepted, steps to go without drafting, and drafts in a
+        # row that did not pay
+        self.acceptance = 0.5
         self.rest = 0
         self.misses = 0
 

@@ -237,8 +237,9 @@ class Scheduler:
     def _step(self, rows: list[tuple[SequenceState, int]]) -> None:
         began = time.perf_counter()
         spans, ids = forward_rows(rows)
-        sampled = [s for (s, _), p in zip(rows, spans, strict=True) if p.logits and not s.draft]
-        pending = self._begin_masks(sampled)  # filled while the model runs
+        chosen = [s for (s, _), p in zip(rows, spans, strict=True) if p.logits]  # in row order
+        sampled = [s for s in chosen if not s.draft]
+        pending = self._begin_masks(chosen)  # filled while the model runs
         if self.graphs is not None and len(ids) == len(rows) <= self.graphs.max_rows:
             logits = self.graphs.run(ids, spans)  # a decode step: replayed
             if len(sampled) < len(spans):  # a resumed prompt re-read a token at a time
@@ -261,12 +262,13 @@ class Scheduler:
         # (``PublishPipe``) instead of a round trip per sequence.
         out: Delivery = []
         try:
+            logits = self._masked(logits, pending)  # before any matcher consumes a token
             if self.speculator is not None and any(s.draft for s, _ in rows):
                 logits, drafted = split_logits(rows, spans, logits)
                 for seq, mine in drafted:
                     self._confined(seq, self._accept, seq, mine, out)
             if sampled:
-                self._sample(sampled, self._masked(logits, pending), out)
+                self._sample(sampled, logits, out)
         finally:
             _emit(out)
         if self.chooser.on_device:  # the step's tokens reached the host: its time is known
@@ -360,7 +362,7 @@ class Scheduler:
     def _begin_masks(self, seqs: list[SequenceState]) -> PendingMasks | None:
         if self.constrainer is None:
             return None
-        return self.constrainer.begin([s.constraint for s in seqs])
+        return self.constrainer.begin([s.constraint for s in seqs], [s.draft for s in seqs])
 
     def _masked(self, logits: torch.Tensor, pending: PendingMasks | None) -> torch.Tensor:
         if pending is None or self.constrainer is None:

@@ -20,9 +20,18 @@ Rollback needs no copy: rows past the accepted ones wrote keys and values at pos
 The prefix cache learns a block only through ``Planner.commit``, called once per accepted row,
 so a rejected draft never reaches it (draft blocks are never claimed either).
 
-Not speculated (yet): structured output (the grammar's mask for row ``j + 1`` depends on row
-``j``'s token, and masks are filled before the forward), prompts still being read, and the GPU
-path (its batched chooser and replayed decode graphs take one row per sequence).
+Structured output speculates too: a draft is first cut to what the grammar allows
+(``ConstraintState.admits``), and the masks of its rows are filled beside the forward, row
+``j + 1``'s as if the draft's first ``j + 1`` tokens were chosen (llguidance consumes them and
+rolls the matcher back, ``Constrainer.begin``); a row is only read while the draft is accepted,
+so its mask is the one a one-token step would have used, and the matcher itself only ever
+consumes chosen tokens. Not speculated: prompts still being read, and the GPU path (its batched
+chooser and replayed decode graphs take one row per sequence).
+
+When to draft, and how much, weighs each draft row against the step it joins (``Speculator``'s
+``allot``): on the CPU kernels a row costs about a quarter of a one-row step, so a row is worth
+adding only while its draft token's chance of acceptance beats the tokens per unit of cost the
+step already yields, a bar that rises with the batch.
 """
 
 from __future__ import annotations
@@ -83,6 +92,16 @@ def split_logits(
 class Speculator:
     """Drafts for a step's decoding sequences, and the cleanup once they are verified."""
 
+    # A CPU step's cost in units of one more token row: BASE + PER_SEQ * sequences + rows.
+    # Measured on the default model (SmolLM2-135M Q4_1, 2 threads, 400-token contexts): one
+    # row 5.5 ms, one sequence's 5 rows 9.7 ms, 4 sequences' single rows 10.8 ms, 8 rows of 4
+    # sequences 14.5 ms (docs/benchmarks.md, *Speculative decoding*). Larger batches' rows cost
+    # less than this (20 rows: 22.9 ms), so the bar errs on drafting too little.
+    BASE, PER_SEQ = 3.7, 0.7
+    PRIOR = 0.5  # a fresh sequence's acceptance estimate: one draft token likely, four not
+    RATE = 0.3  # weight of the latest verified token in a sequence's estimate
+    MAX_REST = 31  # steps a sequence rests, at most, after drafts that did not pay
+
     def __init__(self, tokens: int, *, max_n: int = 4, min_n: int = 1) -> None:
         if tokens < 1:
             raise ValueError(f"speculation needs at least one draft token, not {tokens}")
@@ -91,39 +110,84 @@ class Speculator:
 
     def propose(self, rows: Rows, planner: Planner, context_length: int) -> Rows:
         """``rows`` with each eligible decoding sequence's row count grown by its draft
-        (``seq.draft``), within the step's token budget and the pool's free blocks: a draft
-        never preempts anyone, and never outgrows ``max_new`` or the context."""
-        budget = planner.max_batched_tokens - sum(n for _, n in rows)
-        planned: Rows = []
+        (``seq.draft``), as far as the step gains by it (``allot``), within the step's token
+        budget and the pool's free blocks: a draft never preempts anyone, and never outgrows
+        ``max_new`` or the context."""
+        offers: list[tuple[SequenceState, list[int]]] = []
         for seq, n in rows:
             seq.draft = []
-            if n == 1 and budget > 0 and self._eligible(seq) and self._due(seq):
+            if n == 1 and self._eligible(seq) and self._due(seq):
                 assert seq.drafter is not None
                 room = min(
-                    seq.drafter.length or self.k,
-                    budget,
+                    self.k,
                     seq.max_new - seq.generated - 1,  # the bonus token must still be allowed
                     context_length - len(seq.tokens) - 1,
                 )
                 draft = seq.drafter.propose(seq.tokens, room) if room > 0 else []
-                seq.draft = draft[: self._fit(planner, seq, len(draft))]
-                budget -= len(seq.draft)
-                n += len(seq.draft)
-            planned.append((seq, n))
-        return planned
+                if seq.constraint is not None:
+                    draft = draft[: seq.constraint.admits(draft)]
+                if draft:
+                    offers.append((seq, draft))
+        budget = planner.max_batched_tokens - sum(n for _, n in rows)
+        keep = self.allot(offers, rows)
+        for (seq, draft), d in zip(offers, keep, strict=True):
+            if d == 0:  # not worth a row in this batch: ask again after a rest
+                self._rest(seq)
+                continue
+            draft = draft[: min(d, budget)]
+            seq.draft = draft[: self._fit(planner, seq, len(draft))]
+            budget -= len(seq.draft)
+        return [(s, n + len(s.draft)) for s, n in rows]
+
+    def allot(self, offers: list[tuple[SequenceState, list[int]]], rows: Rows) -> list[int]:
+        """How many tokens of each offered draft the step verifies.
+
+        Draft token ``j`` of a sequence whose tokens are accepted with estimated probability
+        ``a`` is accepted with probability ``a ** j``: that is what its row adds to the step's
+        expected tokens, for one unit of cost (``BASE``). A step yielding ``T`` tokens for cost
+        ``C`` yields more per unit of time with the row only if ``a ** j > T / C``; rows are
+        added best first while that holds, so a large batch (high ``T / C``) keeps only drafts
+        likely to be accepted, and a lone stream drafts on weaker evidence.
+        """
+        tokens = float(sum(1 for s, n in rows if s.kv_len + n == len(s.tokens)))
+        cost = self.BASE + self.PER_SEQ * len(rows) + sum(n for _, n in rows)
+        chances: list[tuple[float, int]] = []  # (a draft token's chance, its offer)
+        for i, (seq, draft) in enumerate(offers):
+            assert seq.drafter is not None
+            a = seq.drafter.acceptance
+            chances.extend((a ** (j + 1), i) for j in range(len(draft)))
+        keep = [0] * len(offers)
+        for chance, i in sorted(chances, key=lambda c: -c[0]):
+            if chance * cost <= tokens:
+                break
+            keep[i] += 1
+            tokens, cost = tokens + chance, cost + 1
+        return keep
 
     @staticmethod
     def _eligible(seq: SequenceState) -> bool:
-        return seq.decoder is not None and seq.constraint is None and seq.to_compute == 1
+        return seq.decoder is not None and seq.to_compute == 1
 
     def _due(self, seq: SequenceState) -> bool:
-        """Whether ``seq`` drafts this step (it rests after drafts the model rejected)."""
+        """Whether ``seq`` may draft this step (it rests after drafts that did not pay; its
+        estimate then drifts halfway back to the prior, so it is tried again)."""
         if seq.drafter is None:
             seq.drafter = NgramIndex(self.max_n, self.min_n)
-        if seq.drafter.rest > 0:
-            seq.drafter.rest -= 1
+            seq.drafter.acceptance = self.PRIOR
+        drafter = seq.drafter
+        if drafter.rest > 0:
+            drafter.rest -= 1
+            if drafter.rest == 0:
+                drafter.acceptance = max(drafter.acceptance, (drafter.acceptance + self.PRIOR) / 2)
             return False
         return True
+
+    def _rest(self, seq: SequenceState) -> None:
+        """Rest ``seq`` 1, 3, 7 .. ``MAX_REST`` steps after as many misses in a row."""
+        drafter = seq.drafter
+        assert drafter is not None
+        drafter.misses += 1
+        drafter.rest = min(2**drafter.misses - 1, self.MAX_REST)
 
     @staticmethod
     def _fit(planner: Planner, seq: SequenceState, drafted: int) -> int:
@@ -155,18 +219,18 @@ class Speculator:
             planner.pool.release(spare)
 
     def _pace(self, seq: SequenceState, accepted: int) -> None:
-        """Adapt ``seq``'s next draft to how this one fared. Verifying a row costs compute
-        whether or not the model agrees, and fresh text (a story) repeats little though some
-        earlier token nearly always matches its last: a wholly rejected draft makes the
-        sequence rest 1, 3, 7 ... up to 31 steps before drafting again, and a partly accepted
-        one shortens the next draft to one past what was accepted. A fully accepted draft
-        doubles the next one's length, up to ``k``."""
+        """Learn from how ``seq``'s draft fared: each verified token (the accepted ones, and
+        the first rejected) moves its acceptance estimate, and a wholly rejected draft makes it
+        rest, longer after each such draft in a row. Fresh text (a story) repeats little, though
+        some earlier token nearly always matches its last: its drafts then cost rows for
+        nothing, so they thin out fast; a copy keeps a high estimate and long drafts."""
         drafter = seq.drafter
         if drafter is None or not seq.draft:
             return
-        if accepted == len(seq.draft):
-            drafter.length = min(self.k, 2 * accepted)
+        outcomes = [1.0] * accepted + ([0.0] if accepted < len(seq.draft) else [])
+        for x in outcomes:
+            drafter.acceptance += self.RATE * (x - drafter.acceptance)
+        if accepted:
+            drafter.misses = 0
         else:
-            drafter.length = accepted + 1
-        drafter.misses = 0 if accepted else drafter.misses + 1
-        drafter.rest = min(2**drafter.misses - 1, 31)
+            self._rest(seq)

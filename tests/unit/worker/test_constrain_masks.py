@@ -93,3 +93,44 @@ def test_the_torch_path_cuda_takes_equals_the_numpy_path() -> None:
     assert torch.equal(torch.isfinite(via_torch), torch.isfinite(via_numpy))
     only_first = c.apply(logits.bfloat16(), c.begin([state(c), None, None]))  # type: ignore[arg-type]
     assert torch.isfinite(only_first[1:]).all()
+
+
+def ids(text: str) -> list[int]:
+    return list(TK.encode(text, add_special_tokens=False).ids)
+
+
+def test_draft_rows_are_masked_as_if_the_draft_were_chosen_and_the_matcher_rolls_back() -> None:
+    """Speculative decoding: a sequence with a draft owns 1 + len(draft) rows; row j + 1's mask
+    is the one a matcher that consumed the draft's first j + 1 tokens gives, and the matcher is
+    where it was afterwards."""
+    c = constrainer()
+    drafted, plain = state(c), state(c)
+    draft = ids("Pa ris")[:3]
+    assert drafted.admits(draft) == len(draft)
+    logits = torch.randn(2 + len(draft), V)  # the drafted sequence's rows, then a free one
+    pending = c.begin([drafted, None], [draft, []])
+    assert pending is not None
+    out = c.apply(logits.clone(), pending)
+    assert torch.equal(out[-1], logits[-1])  # the free sequence's row
+    walk = state(c)
+    for j in range(len(draft) + 1):
+        allowed = set(torch.isfinite(out[j]).nonzero().flatten().tolist())
+        assert allowed == accepted(walk, V) and allowed, j
+        if j < len(draft):
+            walk.feed(draft[j])
+    # rolled back: the drafted sequence's matcher accepts what a fresh one does
+    assert accepted(drafted, V) == accepted(plain, V)
+    pending = c.begin([drafted, plain], [[], draft])  # drafts beside undrafted rows
+    assert pending is not None and pending.result()[0] == list(range(2 + len(draft)))
+
+
+def test_a_draft_is_checked_only_where_each_token_goes_to_the_matcher() -> None:
+    c = constrainer()
+    answer, free_to_think = state(c), state(c, may_open=True)
+    assert answer.admits([*ids("Osl"), *ids("x")]) == len(ids("Osl"))  # "Oslx" is no choice
+    assert free_to_think.admits(ids("Oslo")) == 0  # its first token may open a reasoning block
+    free_to_think.feed(THINK.open_id)  # inside: free up to the close marker
+    thought = ids("any text")
+    assert free_to_think.admits([*thought, THINK.close_id, *ids("Oslo")]) == len(thought)
+    answer.feed(ids("x")[0])  # the grammar refused it: the rest of the answer is free
+    assert answer.broken and answer.admits(ids("x y z")) == len(ids("x y z"))

@@ -1,21 +1,28 @@
-"""``Speculator`` with the planner alone: which rows a draft adds, the blocks it borrows, and what
-goes back after verification (no model: a "forward" commits rows, verification is scripted)."""
+"""``Speculator`` with the planner alone: which rows a draft adds, the blocks it borrows, what
+goes back after verification, and how much a sequence drafts given its record and its batch (no
+model: a "forward" commits rows, verification is scripted)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from services.worker.drafting import NgramIndex
 from services.worker.speculation import Speculator
 from tests.unit.worker.test_paging import SIZE, planner, seq, step
 
 REPEAT = [1, 2, 3, 4, 5, 6, 7] * 2  # 14 tokens: "7" was followed by "1" before
 
 
-def decoding(prompt: list[int], *, blocks: int = 16, **kw: Any) -> tuple[Any, Any]:
-    """A planner with one sequence whose prompt is read and first token sampled."""
+def decoding(
+    prompt: list[int], *, blocks: int = 16, acceptance: float = 0.95, **kw: Any
+) -> tuple[Any, Any]:
+    """A planner with one sequence whose prompt is read and first token sampled, and whose
+    drafts have been accepted with probability ``acceptance`` (0.95: it drafts all it can)."""
     p = planner(blocks, **kw)
     s = seq(prompt, max_new=32)
     s.decoder = object()  # type: ignore[assignment]  # its stream started
+    s.drafter = NgramIndex()
+    s.drafter.acceptance = acceptance
     p.pending.append(s)
     step(p, sample=1)  # tokens: REPEAT + [1]; kv_len 14
     s.generated = 1
@@ -66,27 +73,68 @@ def test_a_draft_never_preempts_and_stays_within_limits() -> None:
     assert Speculator(4).propose(p.plan(), p, context_length=17) == [(s, 2)]
 
 
-def test_prompts_and_constrained_or_unstarted_sequences_do_not_speculate() -> None:
-    p, s = decoding(REPEAT)
-    s.constraint = object()
-    assert Speculator(4).propose(p.plan(), p, context_length=1024) == [(s, 1)]
+def test_prompts_and_unstarted_sequences_do_not_speculate() -> None:
     p = planner(16, budget=1)  # a prompt read one token a step: rows of one, not decoding
     fresh = seq(REPEAT)
     fresh.decoder = object()  # type: ignore[assignment]
     p.pending.append(fresh)
     p.admit()
     assert Speculator(4).propose(p.plan(), p, context_length=1024) == [(fresh, 1)]
-
-
-def test_rejected_drafts_make_a_sequence_rest_and_accepted_ones_lengthen_the_next() -> None:
     p, s = decoding(REPEAT)
+    s.decoder = None  # its stream has not started: its first token is not chosen yet
+    assert Speculator(4).propose(p.plan(), p, context_length=1024) == [(s, 1)]
+
+
+class Grammar:
+    """A constraint double that allows only the first ``allowed`` tokens of any draft."""
+
+    def __init__(self, allowed: int) -> None:
+        self.allowed = allowed
+
+    def admits(self, draft: list[int]) -> int:
+        return min(self.allowed, len(draft))
+
+
+def test_a_constrained_draft_is_cut_to_what_the_grammar_allows() -> None:
+    for allowed, rows in [(4, 5), (2, 3), (0, 1)]:
+        p, s = decoding(REPEAT)
+        s.constraint = Grammar(allowed)  # a double (decoding() returns Any)
+        assert Speculator(4).propose(p.plan(), p, context_length=1024) == [(s, rows)]
+
+
+def test_the_bar_for_a_draft_row_rises_with_the_batch() -> None:
+    """A draft token's row is kept while its chance of acceptance beats the tokens per unit of
+    cost of the step: a fresh lone stream drafts two tokens, four fresh streams one each,
+    sixteen none, and a sequence that has been copying keeps its whole draft among them."""
+
+    def drafts(acceptances: list[float]) -> list[int]:
+        p = planner(64 * len(acceptances), budget=512, max_batch=len(acceptances))
+        seqs = [seq([i + 20, *REPEAT], max_new=32) for i in range(len(acceptances))]
+        p.pending.extend(seqs)
+        step(p, sample=1)
+        for s, a in zip(seqs, acceptances, strict=True):
+            s.decoder, s.generated = object(), 1  # type: ignore[assignment]  # started
+            s.drafter = NgramIndex()
+            s.drafter.acceptance = a
+        return [n - 1 for _, n in Speculator(4).propose(p.plan(), p, context_length=1024)]
+
+    assert drafts([0.5]) == [2]
+    assert drafts([0.5] * 4) == [1] * 4
+    assert drafts([0.5] * 16) == [0] * 16
+    assert drafts([0.95] + [0.5] * 15) == [4] + [0] * 15
+    assert drafts([0.2]) == [1] and drafts([0.2] * 4) == [0] * 4
+
+
+def test_misses_make_a_sequence_rest_and_its_record_sets_the_draft_length() -> None:
+    p, s = decoding(REPEAT, acceptance=0.5)
     spec = Speculator(4)
 
     def one_step(accept: int, chosen: int) -> int:
-        """Plan with drafts; the model keeps ``accept`` draft tokens then chooses ``chosen``;
-        return the sequence's rows this step."""
+        """Plan with drafts; the model keeps ``accept`` draft tokens (-1: all) then chooses
+        ``chosen``; return the sequence's rows this step."""
         [(_, n)] = spec.propose(p.plan(), p, context_length=1024)
         drafted = s.draft
+        accept = len(drafted) if accept < 0 else accept
         for j in range(accept + 1 if drafted else 1):
             p.commit(s, 1)
             s.tokens.append(drafted[j] if j < accept else chosen)
@@ -95,11 +143,12 @@ def test_rejected_drafts_make_a_sequence_rest_and_accepted_ones_lengthen_the_nex
             spec.verified(s, accept, p)
         return n
 
-    assert one_step(0, 9) == 5  # drafted 4, all rejected
+    assert one_step(0, 9) == 3  # a fresh record: two draft tokens, both rejected
     assert one_step(0, 1) == 1  # rests one step
-    assert one_step(1, 3) == 2  # then drafts one token past what was accepted: 1
-    assert one_step(2, 5) == 3  # that was accepted in full: twice as long next time
-    assert one_step(0, 9) == 5  # and again, up to k
-    assert [one_step(0, 1), one_step(0, 9)] == [1, 2]  # rests, drafts 1, a second miss...
-    assert [one_step(0, 1) for _ in range(3)] == [1, 1, 1]  # ... in a row: rests 3
-    assert one_step(0, 9) == 2
+    assert one_step(0, 9) == 2  # its estimate fell to 0.35 and drifted back: one token
+    assert [one_step(0, 1) for _ in range(3)] == [1, 1, 1]  # a second miss in a row: rests 3
+    assert one_step(1, 3) == 2  # back to a single token (0.37): accepted, then a bonus token
+    assert s.drafter.misses == 0
+    widths = [one_step(-1, 5) - 1 for _ in range(4)]  # each accepted in full
+    assert widths == [2, 4, 4, 4]  # the estimate climbs, and the draft with it, up to k
+    assert one_step(1, 9) == 5 and one_step(-1, 5) == 3  # a miss after one token: shorter
