@@ -41,6 +41,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     unstored_retention_s: int = 60
     stream_maxlen: int = 100_000  # SLUICE_STREAM_MAXLEN: cap on entries per event stream
     queue_max: int = 1024  # SLUICE_QUEUE_MAX: queued jobs per model before 429
+    # SLUICE_MAX_N: the most choices (``n``) one Chat or Completions request may ask for; each is
+    # a job, so a request takes n places of SLUICE_QUEUE_MAX
+    max_n: int = 8
     job_expires_s: int = 120  # SLUICE_JOB_EXPIRES_S: a job not started by then is dropped
     poll_delay_s: float = 0.01  # SLUICE_POLL_DELAY_S: arq poll interval (pickup latency)
     # SLUICE_IDLE_POLL_S: workers poll their queue when a job is queued (its doorbell rings) and

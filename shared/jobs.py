@@ -28,6 +28,8 @@ __all__ = [
     "ToolCall",
     "ToolChoice",
     "ToolDef",
+    "choice_id",
+    "choice_seed",
 ]
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -178,6 +180,45 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # markers included. A raw prompt has no chat turns, so there is no reasoning block or tool
     # call to route apart; the worker decodes without its reasoning router and tool parser.
     raw_text: bool = False
+    # How many choices the request asked for (Chat's and legacy Completions' ``n``). Each choice
+    # is a job of its own, with its own stream, lease and failover (``choice_id``); the API
+    # merges the streams into ``choices[i]``. ``choice``: which of them this job generates.
+    n: int = 1
+    choice: int = 0
+
+
+def choice_id(rid: str, index: int) -> str:
+    """The request id of choice ``index`` of request ``rid``.
+
+    Choice 0 is the request itself, so a request without ``n`` is unchanged and every format
+    that shows one answer replays choice 0 under the id the client got. The others are
+    ``rid.1``, ``rid.2``, ...: derived, so any API replica finds them from the id alone, and
+    ``.`` because ``:`` already marks a continuation's job id (``rid:2``).
+
+    Args:
+        rid: the request's id.
+        index: the choice, from 0.
+
+    Returns:
+        The choice's request id.
+    """
+    return rid if index == 0 else f"{rid}.{index}"
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The sampling seed of choice ``index``: ``seed + index``, so each choice is reproducible
+    and no two draw alike; wrapped within the 64 unsigned bits a seed may use.
+
+    Args:
+        seed: the request's seed, None for none (each choice then draws its own).
+        index: the choice, from 0.
+
+    Returns:
+        The choice's seed.
+    """
+    if seed is None:
+        return None
+    return seed + index if seed + index < 2**64 else seed + index - 2**64
 
 
 class Job(GenerateRequest, frozen=True, kw_only=True):

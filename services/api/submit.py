@@ -8,6 +8,12 @@ Then one pipeline stores the request hash and the in-flight entry, and the job g
 model's queue (``services.queue``) with ``job id = request id`` (a duplicate enqueue is a no-op)
 and a msgpack payload: the bound is checked in the same atomic step as the enqueue (a refused
 request's hash and in-flight entry are removed again).
+
+A request with ``n`` choices (Chat, legacy Completions) is rendered once and fanned out into n
+jobs, ``shared.jobs.choice_id(rid, i)``, each with its own request hash, in-flight entry, stream
+and lease, so failover, the start timeout and cancellation work per choice as for any request.
+They are enqueued all or none (``Queue.enqueue_all``) and take n places of the queue's bound.
+With a ``seed``, choice i samples with ``seed + i`` (``shared.jobs.choice_seed``).
 """
 
 from __future__ import annotations
@@ -34,13 +40,14 @@ from shared.errors import (
     ServiceError,
     Unavailable,
 )
-from shared.jobs import GenerateRequest, Job
+from shared.jobs import GenerateRequest, Job, choice_id, choice_seed
+from shared.prefix import prompt_chain
 from shared.prompt import NestingError, PromptRenderer, RenderedPrompt
 
 if TYPE_CHECKING:
     from services.api.state import AppState
 
-__all__ = ["cancel", "new_request_id", "render_prompt", "submit"]
+__all__ = ["cancel", "choice_jobs", "new_request_id", "render_prompt", "submit"]
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -73,9 +80,11 @@ async def submit(
 
     Returns:
         The job as enqueued: the request with ``request_id``, ``prompt_token_ids``,
-        ``prompt_text``, ``owner`` and ``created`` filled in.
+        ``prompt_text``, ``owner`` and ``created`` filled in (choice 0's when ``job.n`` > 1;
+        ``choice_jobs`` gives the others).
 
     Raises:
+        InvalidRequest: ``n`` is below 1 or above ``SLUICE_MAX_N``.
         ModelNotFound: no card for ``job.model``.
         NoWorker: a card but no live worker for it.
         InvalidRequest: the chat template rejected the conversation.
@@ -99,6 +108,8 @@ async def submit(
 async def _admit(
     state: AppState, job: GenerateRequest, owner: str | None, prompt: RenderedPrompt | None
 ) -> Job:
+    if not 1 <= job.n <= state.settings.max_n:
+        raise InvalidRequest(f"n must be between 1 and {state.settings.max_n}", param="n")
     loaded = await state.cards.get(job.model)
     if not await state.cards.has_worker(job.model):
         raise NoWorker(f"no worker is serving '{job.model}' right now", retry_after=5)
@@ -119,7 +130,7 @@ async def _admit(
             context_length=context,
         )
     queued = await state.queue.size(job.model)
-    if queued >= state.settings.queue_max:
+    if queued + job.n > state.settings.queue_max:
         raise RateLimited(f"the queue for '{job.model}' is full ({queued} requests)", retry_after=1)
     rid = job.request_id or new_request_id()
     request = msgspec.structs.replace(
@@ -129,20 +140,21 @@ async def _admit(
     if (rec := access.record()) is not None:
         rec.request_id, rec.model = rid, job.model
     logs.bind(request_id=rid, model=job.model)
+    jobs = choice_jobs(tokenized)
     sent = time.perf_counter()
     try:
-        await _store(state, tokenized)
-        enqueued = await _enqueue(state, tokenized)
+        await _store(state, jobs)
+        enqueued = await _enqueue(state, jobs)
     except ResponseError as exc:
         if not is_oom(exc):
             raise
         # Redis is full (maxmemory, noeviction): nothing was queued, so the client may retry
         # once memory is freed. The hash may be stored already; deleting is allowed when full,
         # and must happen: a sweeper would otherwise take the in-flight entry for a lost run.
-        await _unstore(state, tokenized)
+        await _unstore(state, jobs)
         raise Unavailable(OOM_MESSAGE, retry_after=1) from exc
     if enqueued == QUEUE_FULL:
-        await _unstore(state, tokenized)
+        await _unstore(state, jobs)
         raise RateLimited(f"the queue for '{job.model}' is full", retry_after=1)
     state.metrics.redis_rtt.labels("admit").observe(time.perf_counter() - sent)
     return tokenized
@@ -173,52 +185,96 @@ async def render_prompt(renderer: PromptRenderer, job: GenerateRequest) -> Rende
         raise InvalidRequest(f"could not render the conversation: {exc}", param="messages") from exc
 
 
-async def _enqueue(state: AppState, job: Job) -> int:
+def choice_jobs(job: Job) -> list[Job]:
+    """The jobs of a request's choices: ``job`` itself, then one per further choice, each under
+    its derived id with its own seed.
+
+    Args:
+        job: the request's job (choice 0).
+
+    Returns:
+        ``job.n`` jobs, choice 0 first.
+    """
+    return [job] + [
+        msgspec.structs.replace(
+            job,
+            request_id=choice_id(job.request_id, i),
+            choice=i,
+            sampling=msgspec.structs.replace(job.sampling, seed=choice_seed(job.sampling.seed, i)),
+        )
+        for i in range(1, job.n)
+    ]
+
+
+async def _enqueue(state: AppState, jobs: list[Job]) -> int:
     """The queue's enqueue (job id = request id, a duplicate is a no-op) with the queue bound
     checked atomically: the ``size`` above is only a cheap early refusal, and a burst would pass
-    it all at once."""
+    it all at once. A request's choices go in together or not at all."""
+    job = jobs[0]
+    now_ms, expires_ms = int(time.time() * 1000), state.settings.job_expires_s * 1000
+    bound = state.settings.queue_max
+    if len(jobs) > 1:
+        payloads = [(j.request_id, encode_job(j)) for j in jobs]
+        return await state.queue.enqueue_all(
+            job.model, payloads, enqueue_ms=now_ms, expires_ms=expires_ms, bound=bound
+        )
     return await state.queue.enqueue(
         job.model,
         job.request_id,
         encode_job(job),
-        enqueue_ms=int(time.time() * 1000),
-        expires_ms=state.settings.job_expires_s * 1000,
-        bound=state.settings.queue_max,
+        enqueue_ms=now_ms,
+        expires_ms=expires_ms,
+        bound=bound,
+        prefix=_prefix(state, job),
+        affinity_wait_ms=state.settings.affinity_wait_ms,
     )
 
 
-async def _unstore(state: AppState, job: Job) -> None:
+def _prefix(state: AppState, job: Job) -> list[bytes] | None:
+    """The prompt's block hash chain, as the workers' prefix caches name its blocks, for the
+    queue's cache-aware pickup (None when it is off). ~55 ns a token: 0.2 ms for 3,500."""
+    if state.settings.affinity_wait_ms <= 0:
+        return None
+    return prompt_chain(job.model, job.prompt_token_ids, state.settings.kv_block_size)
+
+
+async def _unstore(state: AppState, jobs: list[Job]) -> None:
     async with state.redis.pipeline(transaction=transactional(state.redis)) as pipe:
-        pipe.delete(keys.request(job.request_id))
-        pipe.zrem(keys.inflight(job.model), job.request_id)
+        for job in jobs:
+            pipe.delete(keys.request(job.request_id))
+            pipe.zrem(keys.inflight(job.model), job.request_id)
         await pipe.execute()
 
 
-async def _store(state: AppState, job: Job) -> None:
+async def _store(state: AppState, jobs: list[Job]) -> None:
     retention = state.settings.retention_s
     async with state.redis.pipeline(transaction=transactional(state.redis)) as pipe:
-        pipe.hset(
-            keys.request(job.request_id),
-            mapping={
-                "owner": job.owner,
-                "model": job.model,
-                "created": repr(job.created),
-                "origin": job.origin,
-                "job": encode_job(job),
-                # read by the start-timeout script, which ends requests it knows only by id
-                "store": "1" if job.store else "0",
-            },
-        )
-        pipe.expire(keys.request(job.request_id), retention)
-        pipe.zadd(keys.inflight(job.model), {job.request_id: int(job.created * 1000)})
+        for job in jobs:
+            pipe.hset(
+                keys.request(job.request_id),
+                mapping={
+                    "owner": job.owner,
+                    "model": job.model,
+                    "created": repr(job.created),
+                    "origin": job.origin,
+                    "job": encode_job(job),
+                    # read by the start-timeout script, which ends requests it knows only by id
+                    "store": "1" if job.store else "0",
+                },
+            )
+            pipe.expire(keys.request(job.request_id), retention)
+            pipe.zadd(keys.inflight(job.model), {job.request_id: int(job.created * 1000)})
         await pipe.execute()
 
 
-async def cancel(state: AppState, rid: str) -> None:
+async def cancel(state: AppState, *rids: str) -> None:
     """Raise the cancel flag the worker checks between decode steps.
 
     Args:
         state: the app state.
-        rid: the request id.
+        rids: the request ids (every choice of a request with ``n`` > 1).
     """
-    await state.redis.set(keys.cancel(rid), b"1", ex=state.settings.retention_s)
+    async with state.redis.pipeline(transaction=False) as pipe:
+        for rid in rids:
+            pipe.set(keys.cancel(rid), b"1", ex=state.settings.retention_s)
+        await pipe.execute()

@@ -195,7 +195,7 @@ async def no_request_stored(redis: aioredis.Redis) -> bool:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 99}, "n"),  # over SLUICE_MAX_N
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             "response_format.json_schema.schema",

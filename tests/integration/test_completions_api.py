@@ -98,7 +98,7 @@ async def test_stop_and_sampling_fields_reach_the_job(
     ("fields", "param"),
     [
         ({"prompt": ["a", "b"]}, "prompt"),
-        ({"prompt": "a", "n": 2}, "n"),
+        ({"prompt": "a", "n": 99}, "n"),  # over SLUICE_MAX_N
         ({"prompt": "a", "suffix": "b"}, "suffix"),
         ({"prompt": "a", "logprobs": 99}, "logprobs"),
         ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),

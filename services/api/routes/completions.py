@@ -3,7 +3,8 @@
 Thin: parse (``wire.openai_completions``), tokenize the raw prompt with the model's tokenizer
 (no chat template; fill-in-the-middle with ``suffix``), submit the tokenized prompt, then stream
 through the shared pipeline or render the fold of the same events. Authentication already ran
-as the router's dependency.
+as the router's dependency. With ``n`` > 1 the choices are requests of their own, merged into
+``choices[i]`` (``services.api.choices``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from services.api.auth import authenticate
-from services.api.state import get_state
-from services.api.streaming import collect_events, sse_response
+from services.api.choices import ChoicesPlan, collect_choices
+from services.api.state import AppState, get_state
+from services.api.streaming import collect_events, count_reads, plan_response, sse_response
 from services.api.submit import new_request_id, submit
 from services.api.wire import openai_completions
+from services.api.wire.choices import ChoiceMerge
 from services.api.wire.common import service_error
 from shared.accumulate import fold
+from shared.jobs import choice_id
 
 __all__ = ["router"]
 
@@ -57,11 +61,35 @@ async def create_completion(request: Request) -> Response:
         echo_tokens=echo_tokens,
     )
     headers = {"x-request-id": job.request_id}
+    rids = [choice_id(job.request_id, i) for i in range(job.n)]
     if options.stream:
-        projector = openai_completions.Projector(ctx)
-        return sse_response(state, request, job.request_id, projector, headers=headers)
-    completion = fold(await collect_events(state, request, job.request_id))
-    if completion.error is not None:
-        raise service_error(completion.error)
-    body = msgspec.json.encode(openai_completions.render(completion, ctx))
+        return _stream(state, request, ctx, rids, headers)
+    if job.n == 1:
+        folds = [fold(await collect_events(state, request, job.request_id))]
+    else:
+        folds = [fold(events) for events in await collect_choices(state, request, rids)]
+    if (error := next((c.error for c in folds if c.error is not None), None)) is not None:
+        raise service_error(error)
+    body = msgspec.json.encode(openai_completions.render_choices(folds, ctx))
     return Response(body, media_type="application/json", headers=headers)
+
+
+def _stream(
+    state: AppState,
+    request: Request,
+    ctx: openai_completions.Context,
+    rids: list[str],
+    headers: dict[str, str],
+) -> Response:
+    if len(rids) == 1:
+        projector = openai_completions.Projector(ctx)
+        return sse_response(state, request, ctx.id, projector, headers=headers)
+    n = len(rids)
+    choices = [
+        openai_completions.Projector(msgspec.structs.replace(ctx, index=i, n=n)) for i in range(n)
+    ]
+    merge = ChoiceMerge(choices, lambda usage: openai_completions.usage_chunk(ctx, usage))
+    count_reads(state, request, resumed=False)
+    return plan_response(
+        state, ChoicesPlan(state, rids, merge, cancel_on_failure=True), headers=headers
+    )

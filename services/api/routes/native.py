@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.api.auth import authenticate
+from services.api.choices import owned_choices
 from services.api.ownership import REQUESTS, load_owned
 from services.api.state import get_state
 from services.api.stream_ids import parse_id
@@ -31,7 +32,7 @@ __all__ = ["NativeProjector", "router"]
 
 router = APIRouter()
 
-_SERVER_FIELDS = ("request_id", "owner", "created", "prompt_token_ids", "prompt_text")
+_SERVER_FIELDS = ("request_id", "owner", "created", "prompt_token_ids", "prompt_text", "choice")
 _JOB_FIELDS = frozenset(f.name for f in msgspec.structs.fields(GenerateRequest))
 _JSON = msgspec.json.Encoder()
 # What the job's msgpack holds (``wire.common.WireInt``): a larger number is a 400, not a 500.
@@ -63,6 +64,9 @@ def _parse_job(body: bytes, rid: str) -> GenerateRequest:
     for name in raw:
         if name in _SERVER_FIELDS:
             raise InvalidRequest(f"'{name}' is set by the server", param=name)
+        if name == "n" and raw[name] != 1:
+            # one request, one event stream here: several choices are several requests
+            raise InvalidRequest("n must be 1 on the native API: submit n requests", param="n")
         if name not in _JOB_FIELDS:
             raise InvalidRequest(f"unknown field '{name}'", param=name)
     if "model" not in raw:
@@ -135,8 +139,10 @@ async def stream_events(rid: str, request: Request) -> Response:
 
 @router.post("/v1/requests/{rid}/cancel")
 async def cancel_request(rid: str, request: Request) -> Response:
-    """Ask the worker to stop; the stream then ends with ``Finish(cancelled)``."""
+    """Ask the worker to stop; the stream then ends with ``Finish(cancelled)`` (every choice's,
+    for a request with ``n`` > 1)."""
     state = get_state(request)
-    await load_owned(state, REQUESTS, rid, await authenticate(request))
-    await cancel(state, rid)
+    owner = await authenticate(request)
+    job = await load_owned(state, REQUESTS, rid, owner)
+    await cancel(state, *(await owned_choices(state, job, owner) if job.choice == 0 else [rid]))
     return Response(_JSON.encode({"id": rid, "cancelled": True}), media_type="application/json")

@@ -5,9 +5,18 @@
 from the fold of the same events. Errors use OpenAI's envelope (``wire.openai_errors``).
 """
 
-from services.api.wire.openai_chat.projector import Projector
-from services.api.wire.openai_chat.render import render
+from services.api.wire.openai_chat.projector import Projector, usage_chunk
+from services.api.wire.openai_chat.render import render, render_choices
 from services.api.wire.openai_chat.request import ParsedChat, parse_request
 from services.api.wire.openai_chat.types import ChatCompletion, Context
 
-__all__ = ["ChatCompletion", "Context", "ParsedChat", "Projector", "parse_request", "render"]
+__all__ = [
+    "ChatCompletion",
+    "Context",
+    "ParsedChat",
+    "Projector",
+    "parse_request",
+    "render",
+    "render_choices",
+    "usage_chunk",
+]

@@ -44,7 +44,7 @@ from shared.events import (
 )
 from shared.separators import SeparatorGate
 
-__all__ = ["Projector"]
+__all__ = ["Projector", "usage_chunk"]
 
 _ENCODER = msgspec.json.Encoder()
 _DONE = Frame(data=b"[DONE]")
@@ -163,20 +163,31 @@ class Projector:
             id=self._ctx.id,
             created=self._ctx.created,
             model=self._ctx.model,
-            choices=[ChunkChoice(0, delta, logprobs, finish_reason)],
+            choices=[ChunkChoice(self._ctx.index, delta, logprobs, finish_reason)],
             usage=None if self._ctx.include_usage else UNSET,
         )
         return Frame(data=_ENCODER.encode(chunk))
 
     def _finish(self, event: Finish) -> list[Frame]:
         frames = [self._chunk(Delta(), finish_reason=finish_reason(event, self._tool_calls))]
-        if self._ctx.include_usage:
-            chunk = ChatCompletionChunk(
-                id=self._ctx.id,
-                created=self._ctx.created,
-                model=self._ctx.model,
-                choices=[],
-                usage=usage_out(self._usage),
-            )
-            frames.append(Frame(data=_ENCODER.encode(chunk)))
+        if self._ctx.n == 1:  # with n > 1, one usage chunk for all choices, after the last
+            frames += usage_chunk(self._ctx, self._usage)
         return frames
+
+
+def usage_chunk(ctx: Context, usage: Usage | None) -> list[Frame]:
+    """The usage chunk (``choices: []``) when the client asked for usage, else nothing.
+
+    Args:
+        ctx: the request's context.
+        usage: the request's usage (summed over the choices with ``n`` > 1).
+
+    Returns:
+        The frames to send after the last finish chunk.
+    """
+    if not ctx.include_usage:
+        return []
+    chunk = ChatCompletionChunk(
+        id=ctx.id, created=ctx.created, model=ctx.model, choices=[], usage=usage_out(usage)
+    )
+    return [Frame(data=_ENCODER.encode(chunk))]

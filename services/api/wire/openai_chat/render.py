@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
+from services.api.wire.choices import merge_usage
 from services.api.wire.openai_chat.types import (
     ChatCompletion,
     ChatFinishReason,
@@ -27,7 +28,7 @@ from services.api.wire.openai_chat.types import (
 from shared.accumulate import Completion, TextBlock
 from shared.events import Finish, FinishReason, TokenLogprob, Usage
 
-__all__ = ["finish_reason", "logprobs_out", "render", "usage_out"]
+__all__ = ["finish_reason", "logprobs_out", "render", "render_choices", "usage_out"]
 
 _FINISH: dict[FinishReason, ChatFinishReason] = {
     "end_turn": "stop",
@@ -104,6 +105,30 @@ def render(completion: Completion, ctx: Context) -> ChatCompletion:
     Returns:
         The response body; encode it with ``msgspec.json.encode``.
     """
+    return render_choices([completion], ctx)
+
+
+def render_choices(completions: list[Completion], ctx: Context) -> ChatCompletion:
+    """Render the folded streams of a request's choices as one ``chat.completion`` body.
+
+    Args:
+        completions: the fold of each choice's events, choice 0 first (finished, not failed).
+        ctx: The request's ids and output options.
+
+    Returns:
+        The response body: ``choices[i]`` from ``completions[i]``, usage summed over the
+        choices with the prompt counted once (``wire.choices.merge_usage``).
+    """
+    return ChatCompletion(
+        id=ctx.id,
+        created=ctx.created,
+        model=ctx.model,
+        choices=[_choice(c, ctx, i) for i, c in enumerate(completions)],
+        usage=usage_out(merge_usage([c.usage for c in completions])),
+    )
+
+
+def _choice(completion: Completion, ctx: Context, index: int) -> Choice:
     calls = [
         ToolCallOut(id=c.call_id, function=FunctionOut(name=c.name, arguments=c.arguments))
         for c in completion.tool_calls
@@ -122,16 +147,9 @@ def render(completion: Completion, ctx: Context) -> ChatCompletion:
     if ctx.logprobs:
         items = [lp for b in completion.blocks if isinstance(b, TextBlock) for lp in b.logprobs]
         logprobs = logprobs_out(items)
-    choice = Choice(
-        index=0,
+    return Choice(
+        index=index,
         message=message,
         finish_reason=finish_reason(completion.finish, bool(calls)),
         logprobs=logprobs,
-    )
-    return ChatCompletion(
-        id=ctx.id,
-        created=ctx.created,
-        model=ctx.model,
-        choices=[choice],
-        usage=usage_out(completion.usage),
     )

@@ -161,8 +161,9 @@ def parse_request(
 
     Raises:
         InvalidRequest: the body is not valid JSON, a field has the wrong type or value, or it
-            asks for something sluice does not implement (``n > 1``), or a structured-output
-            schema, regex, choice list or grammar that does not compile.
+            asks for something sluice does not implement, or a structured-output schema,
+            regex, choice list or grammar that does not compile. (``n`` is checked against
+            ``SLUICE_MAX_N`` at admission.)
     """
     req = decode_body(_DECODER, body, _invalid)
     ignored_fields = refuse(extra_fields(body, ChatRequest), _REFUSED)
@@ -191,6 +192,7 @@ def parse_request(
         user=req.user,
         metadata=dict(req.metadata or {}),
         store=req.store is not False,
+        n=1 if req.n is None else req.n,
     )
     options = ChatOptions(
         stream=bool(req.stream),
@@ -209,8 +211,6 @@ def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
 
 
 def _check_unsupported(req: ChatRequest) -> None:
-    if req.n is not None and req.n != 1:
-        raise InvalidRequest("n must be 1: sluice returns one choice per request", param="n")
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", param="logit_bias")
     if any(m != "text" for m in req.modalities or []):

@@ -113,7 +113,7 @@ class Delta(msgspec.Struct):
 
 
 class ChunkChoice(msgspec.Struct):
-    """The one choice of a chunk (``n`` is always 1)."""
+    """The choice a chunk carries (``index``: which one, with ``n`` > 1)."""
 
     index: int
     delta: Delta
@@ -159,7 +159,7 @@ class ResponseMessage(msgspec.Struct):
 
 
 class Choice(msgspec.Struct):
-    """The one choice of a non-streaming response."""
+    """One choice of a non-streaming response."""
 
     index: int
     message: ResponseMessage
@@ -189,3 +189,5 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
     include_reasoning: bool = False
     reasoning_field: ReasoningField = "reasoning_content"
     logprobs: bool = False
+    index: int = 0  # the choice a projector streams (``choices[].index``)
+    n: int = 1  # choices in the request: with more than one, the usage chunk is the merge's

@@ -6,14 +6,14 @@ and the ``Context``, ``projector`` streams events as chunks, ``render`` builds t
 non-streaming body from the fold of the same events. Errors use OpenAI's envelope.
 """
 
-from services.api.wire.openai_completions.projector import Projector
+from services.api.wire.openai_completions.projector import Projector, usage_chunk
 from services.api.wire.openai_completions.prompt import (
     build_prompt,
     echo_ids,
     raw_ids,
     token_strings,
 )
-from services.api.wire.openai_completions.render import render
+from services.api.wire.openai_completions.render import render, render_choices
 from services.api.wire.openai_completions.request import ParsedCompletion, parse_request
 from services.api.wire.openai_completions.types import Context, TextCompletion
 
@@ -27,5 +27,7 @@ __all__ = [
     "parse_request",
     "raw_ids",
     "render",
+    "render_choices",
     "token_strings",
+    "usage_chunk",
 ]

@@ -30,7 +30,7 @@ from services.api.wire.openai_completions.types import (
 from services.api.wire.sse import Frame, json_frame
 from shared.events import AnyEvent, Error, Finish, Start, TextDelta, Usage
 
-__all__ = ["Projector"]
+__all__ = ["Projector", "usage_chunk"]
 
 _ENCODER = msgspec.json.Encoder()
 _DONE = Frame(data=b"[DONE]")
@@ -113,20 +113,31 @@ class Projector:
             id=self._ctx.id,
             created=self._ctx.created,
             model=self._ctx.model,
-            choices=[CompletionChoice(0, text, logprobs, reason)],
+            choices=[CompletionChoice(self._ctx.index, text, logprobs, reason)],
             usage=None if self._ctx.include_usage else msgspec.UNSET,
         )
         return Frame(data=_ENCODER.encode(chunk))
 
     def _finish(self, event: Finish) -> list[Frame]:
         frames = [self._chunk("", reason=finish_reason(event))]
-        if self._ctx.include_usage:
-            chunk = TextCompletion(
-                id=self._ctx.id,
-                created=self._ctx.created,
-                model=self._ctx.model,
-                choices=[],
-                usage=usage_out(self._usage),
-            )
-            frames.append(Frame(data=_ENCODER.encode(chunk)))
+        if self._ctx.n == 1:  # with n > 1, one usage chunk for all choices, after the last
+            frames += usage_chunk(self._ctx, self._usage)
         return frames
+
+
+def usage_chunk(ctx: Context, usage: Usage | None) -> list[Frame]:
+    """The usage chunk (``choices: []``) when the client asked for usage, else nothing.
+
+    Args:
+        ctx: the request's context.
+        usage: the request's usage (summed over the choices with ``n`` > 1).
+
+    Returns:
+        The frames to send after the last finish chunk.
+    """
+    if not ctx.include_usage:
+        return []
+    chunk = TextCompletion(
+        id=ctx.id, created=ctx.created, model=ctx.model, choices=[], usage=usage_out(usage)
+    )
+    return [Frame(data=_ENCODER.encode(chunk))]

@@ -8,6 +8,7 @@ an echoed prompt), in both paths alike. Pure: no I/O, no clock, no random ids.
 
 from __future__ import annotations
 
+from services.api.wire.choices import merge_usage
 from services.api.wire.openai_chat.render import usage_out
 from services.api.wire.openai_completions.types import (
     CompletionChoice,
@@ -19,7 +20,7 @@ from services.api.wire.openai_completions.types import (
 from shared.accumulate import Completion, TextBlock
 from shared.events import Finish, TokenLogprob
 
-__all__ = ["echo_logprobs", "finish_reason", "logprobs_out", "render"]
+__all__ = ["echo_logprobs", "finish_reason", "logprobs_out", "render", "render_choices"]
 
 
 def finish_reason(finish: Finish | None) -> CompletionFinishReason:
@@ -95,22 +96,39 @@ def render(completion: Completion, ctx: Context) -> TextCompletion:
     Returns:
         The response body; encode it with ``msgspec.json.encode``.
     """
+    return render_choices([completion], ctx)
+
+
+def render_choices(completions: list[Completion], ctx: Context) -> TextCompletion:
+    """Render the folded streams of a request's choices as one ``text_completion`` body.
+
+    Args:
+        completions: the fold of each choice's events, choice 0 first (finished, not failed).
+        ctx: the request's ids and output options.
+
+    Returns:
+        The response body: ``choices[i]`` from ``completions[i]`` (each with the echo, when
+        asked for), usage summed over the choices with the prompt counted once.
+    """
+    return TextCompletion(
+        id=ctx.id,
+        created=ctx.created,
+        model=ctx.model,
+        choices=[_choice(c, ctx, i) for i, c in enumerate(completions)],
+        usage=usage_out(merge_usage([c.usage for c in completions])),
+    )
+
+
+def _choice(completion: Completion, ctx: Context, index: int) -> CompletionChoice:
     echo = ctx.echo or ""
     logprobs = None
     if ctx.logprobs:
         items = [lp for b in completion.blocks if isinstance(b, TextBlock) for lp in b.logprobs]
         sampled = logprobs_out(items, len(echo))
         logprobs = _joined(echo_logprobs(ctx.echo_tokens), sampled) if ctx.echo else sampled
-    choice = CompletionChoice(
-        index=0,
+    return CompletionChoice(
+        index=index,
         text=echo + completion.text,
         logprobs=logprobs,
         finish_reason=finish_reason(completion.finish),
-    )
-    return TextCompletion(
-        id=ctx.id,
-        created=ctx.created,
-        model=ctx.model,
-        choices=[choice],
-        usage=usage_out(completion.usage),
     )

@@ -4,8 +4,8 @@ Owns only the inbound direction: JSON body -> ``GenerateRequest`` (no messages: 
 raw text, tokenized by ``prompt``) plus the options the route and projector need. No I/O.
 Every rejection is an ``InvalidRequest`` naming its ``param`` (OpenAI's 400, never a 422).
 
-One choice per request: a batch of prompts, ``n > 1`` or ``best_of > 1`` is a 400 for now
-(multi-choice requests are their own piece of work). ``max_tokens`` defaults to 16, as OpenAI's.
+``n`` choices of one prompt (checked against ``SLUICE_MAX_N`` at admission); a batch of prompts
+and a ``best_of`` other than ``n`` are a 400 for now. ``max_tokens`` defaults to 16, as OpenAI's.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def parse_request(body: bytes, *, request_id: str) -> ParsedCompletion:
 
     Raises:
         InvalidRequest: bad JSON or field types, out-of-range values, or something sluice does
-            not implement (several prompts, ``n``/``best_of`` > 1, ``logit_bias``, ``echo``
-            with ``suffix``).
+            not implement (several prompts, ``best_of`` other than ``n``, ``logit_bias``,
+            ``echo`` with ``suffix``).
     """
     req = decode_body(_DECODER, body, _invalid)
     _check_unsupported(req)
@@ -123,6 +123,7 @@ def parse_request(body: bytes, *, request_id: str) -> ParsedCompletion:
         reasoning=ReasoningControl(visible=True),
         raw_text=True,
         user=req.user,
+        n=1 if req.n is None else req.n,
     )
     options = CompletionOptions(
         stream=bool(req.stream),
@@ -139,11 +140,11 @@ def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
 
 
 def _check_unsupported(req: CompletionRequest) -> None:
-    multi = "sluice returns one choice per request for now"
-    if req.n is not None and req.n != 1:
-        raise InvalidRequest(f"n > 1 is not supported yet: {multi}", param="n")
-    if req.best_of is not None and req.best_of != 1:
-        raise InvalidRequest(f"best_of > 1 is not supported yet: {multi}", param="best_of")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        # best_of generates more than it returns and ranks by logprob: not the same as n
+        raise InvalidRequest(
+            "best_of is not supported: use n to get several completions", param="best_of"
+        )
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", param="logit_bias")
     if req.echo and req.suffix is not None:

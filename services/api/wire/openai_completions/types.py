@@ -43,7 +43,7 @@ class Logprobs(msgspec.Struct):
 
 
 class CompletionChoice(msgspec.Struct):
-    """The one choice (``n`` is always 1)."""
+    """One choice (``index``: which one, with ``n`` > 1)."""
 
     index: int
     text: str
@@ -73,3 +73,5 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = False  # the client sent ``logprobs`` (any int, 0 included)
     echo: str | None = None  # the prompt text that leads the choice's text (``echo``)
     echo_tokens: list[str] = []  # its tokens, listed under ``logprobs`` with null scores
+    index: int = 0  # the choice a projector streams (``choices[].index``)
+    n: int = 1  # choices in the request: with more than one, the usage chunk is the merge's

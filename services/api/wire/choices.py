@@ -1,0 +1,137 @@
+"""A request's ``n`` choices as one wire answer: the merge of n event streams, for any format.
+
+Each choice is a request of its own with its own event log (``shared.jobs.choice_id``), so each
+is projected by its format's ordinary projector, told its ``index``. ``ChoiceMerge`` feeds every
+event to its choice's projector and owns what belongs to the request as a whole: the usage
+(after the last choice's finish, once, summed) and the end of the stream (the format's close,
+once). The first ``Error`` of any choice ends the answer, as an error ends a one-choice stream:
+the client's SDK raises on it, so nothing after it could be read. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from services.api.wire.sse import Frame
+from shared.events import AnyEvent, Error, Usage, is_terminal
+
+__all__ = ["ChoiceMerge", "ChoiceProjector", "merge_usage"]
+
+
+class ChoiceProjector(Protocol):
+    """One choice's projector: a wire format's ordinary ``Projector``."""
+
+    def feed(self, event: AnyEvent) -> list[Frame]:
+        """Frames for one event of this choice."""
+        ...
+
+    def close(self) -> list[Frame]:
+        """The format's end of stream (e.g. ``data: [DONE]``)."""
+        ...
+
+
+def merge_usage(usages: Sequence[Usage | None]) -> Usage | None:
+    """The usage of a request with several choices, as OpenAI counts it.
+
+    The prompt is one prompt, read once: its tokens (and the cached ones) are choice 0's, or
+    the first choice's that reported any. Completion and reasoning tokens are summed.
+
+    Args:
+        usages: each choice's ``Usage``, None where a choice reported none.
+
+    Returns:
+        The request's usage, None when no choice reported any.
+    """
+    present = [u for u in usages if u is not None]
+    if not present:
+        return None
+    first = present[0]
+    return Usage(
+        input_tokens=first.input_tokens,
+        output_tokens=sum(u.output_tokens for u in present),
+        cached_tokens=first.cached_tokens,
+        reasoning_tokens=sum(u.reasoning_tokens for u in present),
+    )
+
+
+class ChoiceMerge:
+    """Projects the interleaved events of a request's choices into one stream of frames.
+
+    Attributes:
+        ended: every choice reached its terminal event, or one failed: nothing more is shown.
+        failed: a choice ended with an ``Error`` (the others are better cancelled).
+        usage: the merged usage once every choice finished (None before).
+    """
+
+    def __init__(
+        self,
+        choices: Sequence[ChoiceProjector],
+        finale: Callable[[Usage | None], list[Frame]],
+    ) -> None:
+        """Merge ``choices`` (one projector per choice, choice ``i`` at index ``i``).
+
+        Args:
+            choices: the choices' projectors, each built with its own index.
+            finale: the frames after the last choice's finish, given the merged usage (e.g.
+                Chat's usage chunk when the client asked for usage).
+        """
+        self.choices = list(choices)
+        self._finale = finale
+        self._usages: list[Usage | None] = [None] * len(choices)
+        self._done = [False] * len(choices)
+        self._closed = False
+        self.ended = False
+        self.failed = False
+        self.usage: Usage | None = None
+
+    @property
+    def coalesce(self) -> bool:
+        """Whether a backlog of one choice's deltas may be folded (its projector's say)."""
+        return bool(getattr(self.choices[0], "coalesce", False))
+
+    def feed(self, index: int, event: AnyEvent) -> list[Frame]:
+        """Project one event of choice ``index``.
+
+        Args:
+            index: the choice the event belongs to.
+            event: the next event of that choice's stream.
+
+        Returns:
+            The frames to send (possibly none).
+        """
+        if self.ended or self._done[index]:
+            return []
+        if isinstance(event, Usage):
+            self._usages[index] = event
+        frames = self.choices[index].feed(event)
+        if isinstance(event, Error):
+            self.ended = self.failed = True
+            return frames
+        if is_terminal(event):
+            self._done[index] = True
+            if all(self._done):
+                self.ended = True
+                self.usage = merge_usage(self._usages)
+                frames += self._finale(self.usage)
+        return frames
+
+    def close(self) -> list[Frame]:
+        """The format's end of stream, once (every choice's projector ends the same way)."""
+        if self._closed:
+            return []
+        self._closed = True
+        return self.choices[0].close()
+
+    def fail(self, error: Error) -> list[Frame]:
+        """End the answer with ``error`` (the stream broke off) and the format's end.
+
+        Args:
+            error: the error to show.
+
+        Returns:
+            The error's frames (none if the answer already ended) and the end of stream.
+        """
+        frames = [] if self.ended else self.choices[0].feed(error)
+        self.ended = self.failed = True
+        return [*frames, *self.close()]
