@@ -49,6 +49,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # SLUICE_IDLE_POLL_S: workers poll their queue when a job is queued (its doorbell rings) and
     # at least this often; 0: every SLUICE_POLL_DELAY_S, as plain arq
     idle_poll_s: float = 1.0
+    # SLUICE_AFFINITY_WAIT_MS: cache-aware pickup across workers: a job is first the worker's
+    # that holds the longest prefix of its prompt, anyone's after this long (at once when that
+    # worker has no free slot or is gone). 0 = off: the first worker to poll takes it.
+    affinity_wait_ms: int = 50
     # SLUICE_MAX_BATCH: running sequences per worker, a cap beside the KV pool's blocks (0 = 64
     # on the CPU, 256 on a GPU)
     max_batch: int = 0

@@ -53,6 +53,10 @@ OUTCOMES = ("hit", "miss", "after_wait", "busy")
 HOLD_TTL_S = 3.0  # a worker silent this long no longer holds anything, nor is waited for
 REFRESH_S = 0.5  # an idle worker re-publishes this often (its expiry), well inside the TTL
 MIN_GAP_S = 0.01  # publishes closer than this are folded into one (a burst of job starts)
+# How soon blocks a step registered are published: the decode thread cannot wake the event loop
+# without a cross-thread call per step, so the loop looks at the journal this often. A session's
+# next turn needs its previous prompt's blocks, known since that prompt was read, long before.
+JOURNAL_EVERY_S = 0.02
 
 # The scripts send hashes 256 to a Redis command: Lua's unpack has a stack limit (~8,000).
 # Lua helpers: Redis's clock in ms, and a holder's "<free> <expiry ms> <reserved>" field
@@ -230,6 +234,7 @@ class Holdings:
         self._script = redis.register_script(_HOLD)
         self._redis = redis
         self._due = asyncio.Event()
+        self._due.set()  # the first publish at once: a new worker can be preferred
         self._resend = False
 
     def changed(self) -> None:
@@ -263,17 +268,23 @@ class Holdings:
         self.publishes += 1
 
     async def run(self) -> None:
-        """Publish on every change and every ``REFRESH_S``, until cancelled."""
+        """Publish when slots change, within ``JOURNAL_EVERY_S`` of blocks becoming known or
+        evicted, and every ``REFRESH_S`` regardless, until cancelled."""
+        loop = asyncio.get_running_loop()
+        refresh_at = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(REFRESH_S):
+                async with asyncio.timeout(JOURNAL_EVERY_S):
                     await self._due.wait()
+            if not (self._due.is_set() or self.journal or loop.time() >= refresh_at):
+                continue
             self._due.clear()
             try:
                 await self.publish()
             except (RedisError, OSError) as exc:  # the poll's backoff reports the outage
                 log.debug("publishing prefix holdings failed: %s", exc)
                 await asyncio.sleep(REFRESH_S)
+            refresh_at = loop.time() + REFRESH_S
             await asyncio.sleep(MIN_GAP_S)
 
     async def retire(self) -> None:

@@ -110,8 +110,6 @@ class OwnJobsWorker(Worker):
         finally:
             if self.bell is not None:  # a slot is free: a job left waiting for one can start
                 self.bell.ring()
-            if self.holdings is not None:
-                self.holdings.changed()
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """Start the jobs among ``job_ids`` that this worker is not already running (and, with
@@ -143,6 +141,10 @@ class OwnJobsWorker(Worker):
                 self.on_pickup(outcomes[jid])
         if started and self.holdings is not None:
             self.holdings.changed()
+            changed = self.holdings.changed
+            for jid in started:
+                # after arq's own callback, which gives the slot back: the next publish counts it
+                self.tasks[jid].add_done_callback(lambda _: changed())
 
     def _poll_at(self, delay_s: float) -> None:
         """Poll again in ``delay_s`` (a job left to its preferred worker may be ours by then)."""

@@ -17,6 +17,8 @@ import socket
 import sys
 import time
 import uuid
+from collections import deque
+from typing import Any
 
 import msgspec
 from redis.exceptions import (
@@ -186,6 +188,7 @@ async def start_worker(
         health_key=f"{keys.worker(wid)}:arq",
         connect_timeout_s=CONNECT_TIMEOUT_S,
         mark=mark,
+        **_affinity(settings, backend, wc),
     )
     wc.queue = consumer.queue  # the sweeper's repairs
     log.info("worker %s serving %s (max_batch=%d)", wid, name, backend.max_batch)
@@ -195,6 +198,23 @@ async def start_worker(
         except OSError as exc:  # a taken port must not keep the model from serving
             log.warning("metrics endpoint on port %d failed: %s", settings.metrics_port, exc)
     return RunningWorker(wc, consumer, mark)
+
+
+def _affinity(settings: Settings, backend: Backend, wc: WorkerContext) -> dict[str, Any]:
+    """The consumer's cache-aware pickup (``services/queue/affinity.py``), unless it is off: it
+    publishes what the prefix cache holds from the block pool's journal (a backend without a
+    paged cache publishes its free slots only) and counts each pickup's outcome."""
+    if settings.affinity_wait_ms <= 0:
+        return {}
+    journal: deque[tuple[bool, bytes]] | None = None
+    scheduler = getattr(backend, "scheduler", None)
+    if scheduler is not None:
+        journal = scheduler.planner.pool.journal = deque()
+    return {
+        "affinity_wid": wc.wid,
+        "journal": journal,
+        "on_pickup": wc.metrics.pickups(wc.name),
+    }
 
 
 def run_worker(settings: Settings, model_spec: str, name: str | None) -> int:

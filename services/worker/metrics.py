@@ -25,6 +25,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from services.queue.affinity import OUTCOMES as AFFINITY_OUTCOMES
 from services.redis_rtt import redis_rtt_histogram
 from shared.events import AnyEvent, Error, Finish, Start
 
@@ -175,6 +176,15 @@ class WorkerMetrics:
             "sluice_spec_decode_num_accepted_tokens", "Draft tokens the model chose too", m,
             registry=r,
         )  # fmt: skip
+        self.affinity = Counter(
+            "sluice_queue_affinity_pickups",
+            "Jobs this worker started, by cache-aware pickup's outcome: hit (it was preferred, "
+            "holding part of the prompt), miss (no worker held any), after_wait (another worker "
+            "was preferred and did not take it within SLUICE_AFFINITY_WAIT_MS), busy (taken at "
+            "once: the preferred worker had no free slot or was gone)",
+            [*m, "outcome"],
+            registry=r,
+        )
         self.redis_rtt = redis_rtt_histogram(r)
         self.info = Gauge(
             "sluice_worker_info",
@@ -229,6 +239,11 @@ class WorkerMetrics:
                         counted[i] = value
 
         engine.on_step = on_step
+
+    def pickups(self, model: str) -> Callable[[str], None]:
+        """The queue consumer's ``on_pickup``: counts each outcome (every one from zero)."""
+        counters = {o: self.affinity.labels(model, o) for o in AFFINITY_OUTCOMES}
+        return lambda outcome: counters[outcome].inc()
 
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP from a daemon thread; returns the bound port."""
