@@ -4,6 +4,8 @@ list grows."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.worker.drafting import NgramIndex
@@ -52,6 +54,30 @@ def test_the_index_follows_appended_tokens() -> None:
     for t in text:
         tokens.append(t)
         assert index.propose(tokens, 3) == NgramIndex().propose(tokens, 3), tokens
+
+
+def reference(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """The rule spelled out: the longest suffix (up to ``max_n``) that occurred earlier, its
+    latest occurrence, and what followed it, repeated past the end."""
+    end = len(tokens)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        for e in range(end - 2, n - 2, -1):
+            if tokens[e - n + 1 : e + 1] == tokens[end - n :]:
+                return [tokens[e + 1 + i % (end - e - 1)] for i in range(k)]
+    return []
+
+
+@pytest.mark.parametrize(("max_n", "min_n"), [(4, 1), (3, 2), (1, 1)])
+def test_random_lists_get_what_the_rule_says(max_n: int, min_n: int) -> None:
+    rng = random.Random(max_n * 10 + min_n)
+    for _ in range(40):
+        alphabet = rng.randint(2, 12)  # few symbols: long and short matches, and none
+        tokens: list[int] = []
+        index = NgramIndex(max_n, min_n)
+        for _ in range(rng.randint(1, 90)):
+            tokens.append(rng.randrange(alphabet))
+            k = rng.randint(0, 5)
+            assert index.propose(tokens, k) == reference(tokens, k, max_n, min_n), tokens
 
 
 def test_bad_lengths_are_refused() -> None:
