@@ -12,7 +12,10 @@ first content delta) p50/p90 of turn 1 and of turns 2+, median session wall time
 ``timings.cache_n``) as a share of the prompt (each turn's ~250 new tokens keep it under ~94%)
 and of what the server had seen of the session (last prompt + answer: 100% when nothing was
 lost), and peak RSS (VmHWM: sluice's worker, llama-server). ``--sluice-env`` sets variables of
-both sluice stacks (e.g. SLUICE_MAX_BATCH=32; the default batch is 16).
+both sluice stacks (e.g. SLUICE_MAX_BATCH=32; the default batch is 16). ``--workers N`` runs
+this tree's sluice as N worker processes of ``--worker-threads`` each (``sluice_workers.py``) and
+adds each worker's pickups by cache-affinity outcome; ``--sluice-env SLUICE_AFFINITY_WAIT_MS=0``
+turns cache-aware pickup off.
 
 Servers, started afresh per level: "sluice", this work tree's ``sluice up`` (as ``vs_server.py``
 runs it, but as ``python -m services.cli`` from the tree's root, so another checkout can serve);
@@ -49,6 +52,7 @@ from typing import Any
 
 import httpx
 from machine_load import emit, load_probe
+from sluice_workers import sluice_workers, summarize_workers, worker_counts
 from vs_server import _open, cmdline, descendants, free_port, stop, vm_hwm, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -332,8 +336,16 @@ def measure(args: argparse.Namespace, name: str, gguf: Path, n: int) -> dict[str
     server = (
         llama(args, gguf, slots, log) if name == "llama-server" else sluice(root, gguf, extra, log)
     )
-    row: dict[str, Any] = {"server": name, "sessions": n, "log": str(log)}
-    with server as (base, model, pids, rss_pid):
+    if name == "sluice" and args.workers:  # N worker processes instead of `sluice up`'s one
+        threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
+        server = sluice_workers(root, gguf, extra, log, args.workers, threads)
+    row: dict[str, Any] = {
+        "server": name,
+        "sessions": n,
+        "log": str(log),
+        "affinity_wait_ms": extra.get("SLUICE_AFFINITY_WAIT_MS", "default"),
+    }
+    with server as (base, model, pids, rss_pid, *metrics):
         asyncio.run(warm_up(base, model))
         with load_probe(pids, row):
             if args.chunked:
@@ -341,6 +353,8 @@ def measure(args: argparse.Namespace, name: str, gguf: Path, n: int) -> dict[str
             else:
                 row |= asyncio.run(sessions_level(base, model, n, args))
         row["peak_rss_bytes"] = vm_hwm(rss_pid)
+        if metrics:  # per worker: jobs by affinity outcome, its prefix cache's share
+            row["worker_counts"] = worker_counts(metrics[0])
     emit({k: v for k, v in row.items() if k != "turns"})
     return row
 
@@ -424,6 +438,14 @@ def main() -> None:
         help="extra environment of both sluice stacks, e.g. SLUICE_MAX_BATCH=32 (repeatable)",
     )  # fmt: skip
     p.add_argument("--chunked", action="store_true", help="the decode-stall measurement instead")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="sluice as N `sluice worker` processes behind `sluice api` (0: `sluice up`)",
+    )
+    p.add_argument("--worker-threads", type=int, default=0,
+                   help="SLUICE_THREADS of each of --workers (0: the cores / N)")  # fmt: skip
     p.add_argument("--json", type=Path, help="write every row, per-turn numbers included")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/agent_sessions_logs"))
     args = p.parse_args()
@@ -446,6 +468,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args), "rows": rows}, default=str, indent=1))
     (summarize_chunked if args.chunked else summarize)(rows)
+    if args.workers:
+        summarize_workers([r for r in rows if "worker_counts" in r])
 
 
 if __name__ == "__main__":

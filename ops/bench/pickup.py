@@ -5,6 +5,7 @@ Usage (from the repository root, with the project's venv)::
     .venv/bin/python ops/bench/pickup.py                       # private redis-server, defaults
     .venv/bin/python ops/bench/pickup.py --jobs 100 --polls 0.5,0.05,0.01 --running 8,16
     .venv/bin/python ops/bench/pickup.py --polls 0.01 --idle 0,1.0   # without / with the doorbell
+    .venv/bin/python ops/bench/pickup.py --polls 0.01 --idle 1.0 --affinity-wait-ms 50
 
 For each ``poll_delay`` it starts a real ``sluice worker`` process serving the scripted test
 double (``scripted:long?rate=2&max_batch=16``) and measures:
@@ -46,6 +47,7 @@ from shared import keys
 from shared.codec import decode_entry, encode_job
 from shared.events import Start, is_terminal
 from shared.jobs import GenerateRequest, Job, Message, TextPart
+from shared.prefix import prompt_chain
 from shared.prompt import PromptRenderer
 
 MODEL = "bench-pickup"
@@ -105,15 +107,16 @@ def job(rid: str, script: str, max_tokens: int | None) -> Job:
     return Job.of(request, prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text)
 
 
-async def enqueue(arq: ArqRedis, j: Job) -> float:
+async def enqueue(arq: ArqRedis, j: Job, affinity_ms: int = 0) -> float:
     """What the API does: the request record, then the enqueue script (which rings the queue's
-    doorbell)."""
+    doorbell), with the prompt's chain when cache-aware pickup is on."""
     payload = encode_job(j)
     await arq.hset(keys.request(j.request_id), mapping={"job": payload})  # type: ignore[misc]
     t0 = time.time()
+    chain = prompt_chain(MODEL, j.prompt_token_ids, 16) if affinity_ms else None
     await Queue(arq).enqueue(
         MODEL, j.request_id, payload, enqueue_ms=int(t0 * 1000), expires_ms=60_000,
-        bound=10_000,
+        bound=10_000, prefix=chain, affinity_wait_ms=affinity_ms,
     )  # fmt: skip
     return t0
 
@@ -133,10 +136,12 @@ async def first_and_last(redis: aioredis.Redis, rid: str) -> tuple[int, bool]:
 
 
 async def bench_poll(
-    url: str, poll: float, idle: float, n_jobs: int, running: list[int], window: float
-) -> str:
+    url: str, poll: float, idle: float, n_jobs: int, running: list[int], window: float,
+    affinity_ms: int = 0,
+) -> str:  # fmt: skip
     env = {**os.environ, "SLUICE_REDIS_URL": url, "SLUICE_POLL_DELAY_S": str(poll)}
     env["SLUICE_IDLE_POLL_S"] = str(idle)
+    env["SLUICE_AFFINITY_WAIT_MS"] = str(affinity_ms)
     env["SLUICE_LOG_LEVEL"] = "warning"
     worker = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "worker", "--model", SPEC, "--name", MODEL, env=env
@@ -154,7 +159,7 @@ async def bench_poll(
         latencies: list[float] = []
         for i in range(n_jobs):
             rid = f"pick-{poll}-{idle}-{i}"
-            t0 = await enqueue(arq, job(rid, "text", 0))
+            t0 = await enqueue(arq, job(rid, "text", 0), affinity_ms)
             start_ms, _ = await first_and_last(redis, rid)
             latencies.append(start_ms - t0 * 1000)
             # Spread enqueue times over the whole poll period: a fixed gap after each job would
@@ -167,7 +172,7 @@ async def bench_poll(
         for n in running:
             rids = [f"run-{poll}-{idle}-{n}-{i}" for i in range(n)]
             for rid in rids:
-                await enqueue(arq, job(rid, "long", None))
+                await enqueue(arq, job(rid, "long", None), affinity_ms)
             await asyncio.sleep(1.0)  # all picked up
             ops, cpu = await load(redis, worker.pid, window)
             row += f" | {ops:.0f} | {cpu:.1f}"
@@ -191,6 +196,10 @@ async def main() -> None:
     p.add_argument("--idle", default="0,1.0", help="SLUICE_IDLE_POLL_S values (0: no doorbell)")
     p.add_argument("--running", default="8,16", help="in-flight counts to measure load with")
     p.add_argument("--window", type=float, default=5.0, help="seconds per load measurement")
+    p.add_argument(
+        "--affinity-wait-ms", type=int, default=0,
+        help="SLUICE_AFFINITY_WAIT_MS of the worker and the enqueues (0: cache-aware pickup off)",
+    )  # fmt: skip
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks below
     running = [int(n) for n in args.running.split(",")]
@@ -205,7 +214,9 @@ async def main() -> None:
             print("|" + "---|" * (head.count("|")))
             for poll in [float(x) for x in args.polls.split(",")]:
                 for idle in [float(x) for x in args.idle.split(",")]:
-                    row = await bench_poll(url, poll, idle, args.jobs, running, args.window)
+                    row = await bench_poll(
+                        url, poll, idle, args.jobs, running, args.window, args.affinity_wait_ms
+                    )
                     print(row, flush=True)
         finally:
             if server is not None:
