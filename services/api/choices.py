@@ -4,11 +4,12 @@ Each choice is a request of its own (``shared.jobs.choice_id``: ``rid``, ``rid.1
 its own log, lease, failover and start timeout, all of which the single-log pipeline already
 handles; this module only reads several of them at once. ``ChoicesPlan`` is the streaming
 pipeline's ``Plan`` for them: each choice's log is tailed by its own ``entry_batches`` task,
-batches are delivered as they arrive, a backlog is folded per choice, and every event goes
-through ``wire.choices.ChoiceMerge``. The SSE ``id:`` is the position in every log
-(``stream_ids.positions_id``), so ``Last-Event-ID`` resumes each choice exactly
-(``catch_up_choices``). ``collect_choices`` is the non-streaming twin. A choice that fails ends
-the answer; the create route then cancels the others, as a client disconnect cancels them all.
+batches are delivered as they arrive, a backlog is folded per choice and interleaved by entry id
+(the order the worker wrote them; a finished request is read at once, so its replay is the same
+every time), and every event goes through ``wire.choices.ChoiceMerge``. The SSE ``id:`` is the
+position in every log (``stream_ids.positions_id``), so ``Last-Event-ID`` resumes each choice
+exactly (``catch_up_choices``). ``collect_choices`` is the non-streaming twin. A choice that
+fails ends the answer; the create route then cancels the others, as a disconnect cancels all.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from services.api import access
-from services.api.coalesce import Item, fold_deltas
+from services.api.coalesce import Item, entry_items, fold_deltas
 from services.api.ownership import REQUESTS, load_owned
 from services.api.state import AppState
-from services.api.stream_ids import START, parse_positions, positions_id
+from services.api.stream_ids import START, parse_id, parse_positions, positions_id
 from services.api.streaming import cancel_quietly, count_reads, spawn, wait_disconnect
-from services.api.tailing import entry_batches, tail
+from services.api.tailing import entry_batches, finished_log, tail
 from services.api.wire import sse
 from services.api.wire.choices import ChoiceMerge, merge_usage
 from shared import keys
@@ -70,7 +71,26 @@ class ChoicesPlan:
         self._cancel_on_failure = cancel_on_failure
 
     async def batches(self) -> AsyncGenerator[_Batch, None]:
-        """Every choice's batches, as they arrive; ``[]`` on each silence of ``keepalive_s``."""
+        """Every choice's batches, as they arrive; ``[]`` on each silence of ``keepalive_s``.
+
+        A request whose logs all hold their terminal event is read as one batch, so a replay
+        interleaves the choices the same way every time (by entry id, ``encode``).
+        """
+        logs = [
+            await finished_log(self._state, rid, after)
+            for rid, after in zip(self.rids, self.positions, strict=True)
+        ]
+        if all(log is not None for log in logs):
+            decoded = [entry_items(log or []) for log in logs]
+            yield [(i, items) for i, (items, _) in enumerate(decoded) if items]
+            if errors := [error for _, error in decoded if error is not None]:
+                raise errors[0]
+            return
+        async with contextlib.aclosing(self._live()) as live:
+            async for batch in live:
+                yield batch
+
+    async def _live(self) -> AsyncGenerator[_Batch, None]:
         queue: asyncio.Queue[tuple[int, list[Item] | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -121,16 +141,13 @@ class ChoicesPlan:
         the position in every log; complete when the merge has ended."""
         out: list[bytes] = []
         merge = self.merge
-        for i, items in batch:
-            for entry_id, event, ends in fold_deltas(items) if merge.coalesce else items:
-                frames = merge.feed(i, event)
-                if ends:
-                    self.positions[i] = entry_id
-                if frames:
-                    out.extend(map(encode, frames[:-1]))
-                    out.append(encode(frames[-1], positions_id(self.positions) if ends else None))
-                if merge.ended:
-                    break
+        for i, (entry_id, event, ends) in _in_log_order(batch, fold=merge.coalesce):
+            frames = merge.feed(i, event)
+            if ends:
+                self.positions[i] = entry_id
+            if frames:
+                out.extend(map(encode, frames[:-1]))
+                out.append(encode(frames[-1], positions_id(self.positions) if ends else None))
             if merge.ended:
                 break
         if merge.ended:
@@ -148,6 +165,18 @@ class ChoicesPlan:
     def fail(self, error: Error) -> list[sse.Frame]:
         """End a broken stream with ``error``."""
         return self.merge.fail(error)
+
+
+def _in_log_order(batch: _Batch, *, fold: bool) -> list[tuple[int, Item]]:
+    """A batch's items across choices in the order they were written: by entry id (the time a
+    worker appended them), ties by choice; each choice's backlog folded first when ``fold``."""
+    tagged = [
+        (parse_id(item[0]), i, k, item)
+        for i, items in batch
+        for k, item in enumerate(fold_deltas(items) if fold else items)
+    ]
+    tagged.sort(key=lambda t: t[:3])
+    return [(i, item) for _, i, _, item in tagged]
 
 
 async def catch_up_choices(

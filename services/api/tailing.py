@@ -29,16 +29,24 @@ from shared.codec import decode_entry
 from shared.errors import ProtocolError
 from shared.events import is_terminal
 
-__all__ = ["entry_batches", "tail"]
+__all__ = ["entry_batches", "finished_log", "tail"]
 
 
-async def _finished_log(
+async def finished_log(
     state: AppState, rid: str, after: str
 ) -> list[tuple[str, dict[bytes, bytes]]] | None:
     """The entries after ``after`` when the log already holds its terminal event, else None.
 
     A finished log is read in one XRANGE instead of through the hub, so a replay (and a resume
     of a finished request) is one batch: its coalesced frames are the same on every read.
+
+    Args:
+        state: the app state.
+        rid: the request id.
+        after: the last entry id already seen (``0-0`` for everything).
+
+    Returns:
+        ``(entry id, fields)`` of each entry after ``after``, or None while the log is open.
     """
     key = keys.events(rid)
     last = await state.redis.xrevrange(key, count=1)
@@ -75,7 +83,7 @@ async def entry_batches(
         StreamLost: nothing will ever end this stream.
     """
     keepalive_s = state.settings.keepalive_s
-    finished = await _finished_log(state, rid, after)
+    finished = await finished_log(state, rid, after)
     if finished is not None:
         items, error = entry_items(finished)
         if items:

@@ -10,6 +10,12 @@ need a real model: ``test_choices_model.py``.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
+import httpx
+import msgspec
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -17,8 +23,11 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from shared import keys
 from shared.codec import decode_entries, decode_job
-from shared.events import AnyEvent
+from shared.config import Settings
+from shared.events import AnyEvent, Finish, Start
 from shared.jobs import choice_id
+from tests.integration.server_harness import running_api
+from tests.integration.worker_harness import running_worker
 from tests.invariants import check_stream
 
 pytestmark = pytest.mark.integration
@@ -124,3 +133,135 @@ async def test_n_over_the_cap_and_best_of_are_400s(api: str, worker: object) -> 
         assert isinstance(info.value.body, dict) and info.value.body["param"] == "best_of"
         same = await c.completions.create(model=MODEL, prompt="a", n=2, best_of=2)
     assert len(same.choices) == 2
+
+
+LONG = "m-choices-long"
+
+
+def frames_of(body: str) -> list[tuple[str | None, str]]:
+    """(id, data) of every SSE event in ``body`` (comments skipped)."""
+    out = []
+    for block in body.split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        ids = [line[4:] for line in lines if line.startswith("id: ")]
+        data = "\n".join(line[6:] for line in lines if line.startswith("data: "))
+        if data:
+            out.append((ids[0] if ids else None, data))
+    return out
+
+
+def texts_of(frames: list[tuple[str | None, str]], n: int) -> list[str]:
+    texts = [""] * n
+    for _, data in frames:
+        if data != "[DONE]":
+            for choice in json.loads(data)["choices"]:
+                texts[choice["index"]] += choice["delta"].get("content") or ""
+    return texts
+
+
+async def test_resume_mid_stream_continues_every_choice_exactly(
+    api: str, redis_url: str, redis: aioredis.Redis
+) -> None:
+    overrides = {"lease_ttl_s": 10.0, "heartbeat_s": 0.5}
+    body = {"model": LONG, "messages": ASK, "n": 3, "stream": True}
+    async with (
+        running_worker(redis_url, "scripted:long?rate=1000", overrides, LONG),
+        httpx.AsyncClient(base_url=api, timeout=30) as http,
+    ):
+        head: list[tuple[str | None, str]] = []
+        async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            buffer = ""
+            async for text in reply.aiter_text():
+                buffer += text
+                *blocks, buffer = buffer.split("\n\n")
+                head += frames_of("\n\n".join(blocks) + "\n\n")
+                if sum(1 for i, _ in head if i) >= 12:
+                    break
+        cut = max(k for k, (i, _) in enumerate(head) if i) + 1  # the client has up to this id
+        head, last_id = head[:cut], head[cut - 1][0]
+        assert last_id is not None and len(last_id.split(",")) == 3
+        rid = json.loads(head[0][1])["id"]
+        resumed = await http.get(
+            f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": last_id}
+        )
+        rest = frames_of(resumed.text)
+        replay = await http.get(f"/v1/chat/completions/{rid}/events")
+        again = await http.get(f"/v1/chat/completions/{rid}/events")
+        wrong = await http.get(  # one entry id is not a position in three logs
+            f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": "1-0"}
+        )
+        done = await http.get(f"/v1/chat/completions/{rid}")
+    assert resumed.status_code == 200 and rest[-1] == (None, "[DONE]")
+    whole = [c["message"]["content"] for c in done.json()["choices"]]
+    assert texts_of(head + rest, 3) == whole  # nothing lost, nothing repeated, per choice
+    assert texts_of(frames_of(replay.text), 3) == whole
+    assert replay.content == again.content  # a finished request replays the same bytes
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "after"
+    before = [tuple(map(int, p.split("-"))) for p in last_id.split(",")]
+    for frame_id, _ in rest:  # every later position is at or past where the client was
+        if frame_id is not None:
+            now = [tuple(map(int, p.split("-"))) for p in frame_id.split(",")]
+            assert all(a >= b for a, b in zip(now, before, strict=True))
+    for events in await logs(redis, rid, 3):
+        assert sum(isinstance(e, Start) for e in events) == 1
+
+
+async def test_disconnect_and_cancel_end_every_choice(
+    api: str, redis_url: str, redis: aioredis.Redis
+) -> None:
+    async with (
+        running_worker(redis_url, "scripted:long?rate=100", None, LONG),
+        client(api) as c,
+        httpx.AsyncClient(base_url=api, timeout=30) as http,
+    ):
+        stream = await c.chat.completions.create(model=LONG, messages=ASK, n=3, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].index == 2:
+                break
+        gone = chunk.id
+        await stream.close()  # the client leaves: all three are cancelled after the grace
+        body = {"model": LONG, "messages": ASK, "n": 2, "stream": True}
+        kept = ""
+        async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            lines = reply.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    kept = json.loads(line[6:])["id"]
+                    break
+            cancelled = await http.post(f"/v1/requests/{kept}/cancel")
+            assert cancelled.status_code == 200
+            tail = [line async for line in lines if line.startswith("data: ")]
+        assert tail[-1] == "data: [DONE]"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            ends = [
+                await redis.xrevrange(keys.events(choice_id(gone, i)), count=1) for i in range(3)
+            ]
+            if all(e and isinstance(decode_entries(e)[-1], Finish) for e in ends):
+                break
+            await asyncio.sleep(0.1)
+    for rid, n in ((gone, 3), (kept, 2)):
+        for events in await logs(redis, rid, n):
+            assert events[-1] == Finish(reason="cancelled"), (rid, events[-1])
+
+
+async def test_one_request_queues_all_its_choices_or_none(
+    settings: Settings, redis: aioredis.Redis, tiny_model: object
+) -> None:
+    # No worker takes jobs here (a heartbeat only), so the queue fills up: with SLUICE_QUEUE_MAX
+    # 4, n=3 fits, then a second n=3 does not: nothing of it is queued or stored.
+    async with (
+        running_api(msgspec.structs.replace(settings, queue_max=4)) as base,
+        client(base) as c,
+    ):
+        body = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}]}
+        first = await c.chat.completions.with_raw_response.create(  # type: ignore[call-overload]
+            **body, n=3, stream=True
+        )
+        rid = first.headers["x-request-id"]
+        with pytest.raises(openai.RateLimitError):
+            await c.chat.completions.create(**body, n=3)  # type: ignore[call-overload]
+        await first.parse().close()
+    queued = {m.decode() for m in await redis.zrange(keys.queue("tiny-test"), 0, -1)}
+    assert queued == {rid, f"{rid}.1", f"{rid}.2"}
+    assert len([k async for k in redis.scan_iter(match=keys.request("*"))]) == 3

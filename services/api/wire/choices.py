@@ -5,7 +5,10 @@ is projected by its format's ordinary projector, told its ``index``. ``ChoiceMer
 event to its choice's projector and owns what belongs to the request as a whole: the usage
 (after the last choice's finish, once, summed) and the end of the stream (the format's close,
 once). The first ``Error`` of any choice ends the answer, as an error ends a one-choice stream:
-the client's SDK raises on it, so nothing after it could be read. Pure: no I/O, no clock.
+the client's SDK raises on it, so nothing after it could be read. Choices first appear in index
+order, as in OpenAI's streams (the openai SDK's accumulator relies on it): before choice i's
+first frame, each earlier choice that showed nothing yet is opened (its projector's ``open``,
+where the format has one). Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class ChoiceMerge:
         self._finale = finale
         self._usages: list[Usage | None] = [None] * len(choices)
         self._done = [False] * len(choices)
+        self._shown = 0  # choices 0 .. _shown - 1 have had a frame out
         self._closed = False
         self.ended = False
         self.failed = False
@@ -108,12 +112,23 @@ class ChoiceMerge:
         if isinstance(event, Error):
             self.ended = self.failed = True
             return frames
+        if frames and index >= self._shown:
+            frames = [*self._open(index), *frames]
         if is_terminal(event):
             self._done[index] = True
             if all(self._done):
                 self.ended = True
                 self.usage = merge_usage(self._usages)
                 frames += self._finale(self.usage)
+        return frames
+
+    def _open(self, index: int) -> list[Frame]:
+        """Open the choices before ``index`` that showed nothing yet."""
+        frames: list[Frame] = []
+        for earlier in self.choices[self._shown : index]:
+            if (opener := getattr(earlier, "open", None)) is not None:
+                frames += opener()
+        self._shown = index + 1
         return frames
 
     def close(self) -> list[Frame]:

@@ -137,6 +137,19 @@ class Projector:
             case _:
                 assert_never(event)
 
+    def open(self) -> list[Frame]:
+        """The choice's first chunk (role, empty content) unless one went out already.
+
+        With ``n`` > 1 a choice can have nothing to show yet (hidden reasoning) while a later
+        one streams; the openai SDK's stream accumulator numbers choices by first appearance,
+        so the merge opens the earlier ones first, as OpenAI's own streams do.
+
+        Returns:
+            The opening chunk, or nothing.
+        """
+        # content null, not "": the choice may turn out to be tool calls only (content null)
+        return [] if self._role_sent else [self._chunk(Delta(content=None))]
+
     def close(self) -> list[Frame]:
         """End the stream with ``data: [DONE]`` (once)."""
         if self._closed:
