@@ -10,8 +10,8 @@ edit, the copy being written is the freshest context.
 The search runs over a copy of the tokens in a numpy array, appended to as they grow: the
 positions of the last token's earlier occurrences, then those of them preceded by the token
 before it, and so on up to ``max_n``, each a vectorized compare. That costs 4 bytes a token and a
-few microseconds a draft at agent context lengths, where a dict from every n-gram to its latest
-position (the first version) held ``max_n`` entries a token, about 0.4 KB, and took ~19 ms to
+10-20 microseconds a draft at agent context lengths, where a dict from every n-gram to its latest
+position (the first version) held up to ``max_n`` entries a token, ~0.27 KB, and took 9-19 ms to
 index an 8k-token prompt at the first draft (docs/benchmarks.md, *Speculative decoding*).
 Knows nothing about models, blocks or requests.
 """
