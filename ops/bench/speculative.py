@@ -18,9 +18,10 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from machine_load import emit  # ops/bench is the script's directory: on sys.path
+from machine_load import emit, load_probe  # ops/bench is the script's directory: on sys.path
 
 from services.worker.speculation import Speculator
 from services.worker.torch_backend import TorchBackend
@@ -104,11 +105,14 @@ async def bench(args: argparse.Namespace) -> None:
                 await run(b, [job(b, text, 99, 1)])  # the prompts' common part, cached alike
                 rates: dict[str, list[float]] = {"off": [], "on": []}
                 outputs: dict[str, list[list[int]]] = {}
+                probes: list[dict[str, Any]] = []  # each run's load (machine_load.load_probe)
                 before = (spec.stats.drafts, spec.stats.draft_tokens, spec.stats.accepted_tokens)
                 for _ in range(args.repeats):
                     for mode in ("off", "on"):
                         b.scheduler.speculator = spec if mode == "on" else None
-                        rate, ids = await run(b, jobs)
+                        probes.append({})
+                        with load_probe([], probes[-1]):
+                            rate, ids = await run(b, jobs)
                         rates[mode].append(rate)
                         outputs[mode] = ids
                 b.scheduler.speculator = spec
@@ -129,11 +133,19 @@ async def bench(args: argparse.Namespace) -> None:
                         "off_tok_s": round(off, 1),
                         "on_tok_s": round(on, 1),
                         "speedup": round(on / off, 2),
+                        # each run in order (off, on, off, on ..): a neighbour's burst shows
+                        "off_runs": [round(r, 1) for r in rates["off"]],
+                        "on_runs": [round(r, 1) for r in rates["on"]],
                         "same_output": outputs["on"] == outputs["off"],
                         "drafted": drafted,
                         "accepted": accepted,
                         # vLLM's mean acceptance length: tokens per verifying step
                         "accepted_per_step": round(1 + accepted / max(drafts, 1), 2),
+                        "others_cores_max": max(p["others_cores"] for p in probes),
+                        "loadavg_1m": [
+                            min(p["loadavg_1m"][0] for p in probes),
+                            max(p["loadavg_1m"][1] for p in probes),
+                        ],
                     }
                 )
     finally:
