@@ -102,8 +102,10 @@ def test_api_never_imports_torch() -> None:
     forbidden = _loaded(result["modules"], "torch", "numpy", "gguf", "safetensors")
     assert forbidden == []
     both = {"services", "services.redis_conn", "services.redis_rtt", "services.redis_oom"}  # shared
-    # the queue's client side only: the consumer (arq's worker) is the worker's
+    # the queue's client side only: the consumer (arq's worker) is the worker's; the enqueue
+    # script's affinity part comes from affinity.py, which imports no worker code
     both |= {"services.queue", "services.queue.client", "services.queue.arq_keys"}
+    both |= {"services.queue.affinity"}
     assert _loaded(result["modules"], "services") == [
         m for m in result["modules"] if m in both or m.startswith("services.api")
     ]
