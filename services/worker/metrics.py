@@ -20,14 +20,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from services.queue.affinity import OUTCOMES as AFFINITY_OUTCOMES
 from services.redis_rtt import redis_rtt_histogram
-from shared.events import AnyEvent, Error, Finish, Start
+from shared.events import AnyEvent, Error, ErrorKind, Finish, FinishReason, Start
 
 __all__ = ["RequestTimer", "WorkerMetrics"]
 
@@ -46,6 +46,9 @@ ITL_BUCKETS = (
 STEP_BUCKETS = ITL_BUCKETS
 # Sequences per decode step: powers of two up to the largest batch anyone configures.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# sluice_failovers' kinds: a sweeper claimed a lost request, a worker resumed one, a stopping
+# worker left one to a peer, a request ended after its last allowed attempt
+FAILOVER_KINDS = ("takeover", "continuation", "handover", "gave_up")
 
 
 class WorkerMetrics:
@@ -211,6 +214,7 @@ class WorkerMetrics:
         no KV usage and no decode steps.
         """
         self.info.labels(wid, model, device, version).set(1)
+        self._zeros(model)
         self.running.labels(model).set_function(running)
         if engine is None:
             self.engine_waiting.labels(model).set(0)
@@ -239,6 +243,26 @@ class WorkerMetrics:
                         counted[i] = value
 
         engine.on_step = on_step
+
+    def _zeros(self, model: str) -> None:
+        """Create every series of ``model`` at zero, as vLLM does at start-up: a dashboard then
+        shows 0 rather than "no data" before the first request (or the first error of a kind),
+        and a ``rate()`` over a counter's first increment is not lost."""
+        for family in (
+            self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time,
+            self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+            self.preemptions, self.step_time, self.batch_size, self.spec_drafts,
+            self.spec_draft_tokens, self.spec_accepted_tokens,
+        ):  # fmt: skip
+            family.labels(model)
+        for reason in get_args(FinishReason):
+            self.success.labels(model, reason)
+        for kind in get_args(ErrorKind):
+            self.errors.labels(model, kind)
+        for kind in FAILOVER_KINDS:
+            self.failovers.labels(model, kind)
+        for outcome in AFFINITY_OUTCOMES:
+            self.affinity.labels(model, outcome)
 
     def pickups(self, model: str) -> Callable[[str], None]:
         """The queue consumer's ``on_pickup``: counts each outcome (every one from zero)."""
