@@ -265,3 +265,44 @@ async def test_one_request_queues_all_its_choices_or_none(
     queued = {m.decode() for m in await redis.zrange(keys.queue("tiny-test"), 0, -1)}
     assert queued == {rid, f"{rid}.1", f"{rid}.2"}
     assert len([k async for k in redis.scan_iter(match=keys.request("*"))]) == 3
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+async def test_tool_calls_per_choice_and_a_failing_request(
+    api: str, worker: object, redis: aioredis.Redis
+) -> None:
+    body = {"model": MODEL, "messages": ASK, "n": 2, "tools": TOOLS}
+    async with client(api) as c:
+        done = await c.chat.completions.create(**body, metadata={"script": "parallel_tool_calls"})  # type: ignore[call-overload]
+        stream = await c.chat.completions.create(  # type: ignore[call-overload]
+            **body, metadata={"script": "parallel_tool_calls"}, stream=True
+        )
+        calls: dict[int, dict[int, str]] = {0: {}, 1: {}}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    args = calls[choice.index].get(call.index, "")
+                    calls[choice.index][call.index] = args + (call.function.arguments or "")
+        with pytest.raises(openai.InternalServerError, match="scripted failure"):
+            await c.chat.completions.create(**body, metadata={"script": "error"})  # type: ignore[call-overload]
+        failing = await c.chat.completions.create(  # type: ignore[call-overload]
+            **body, metadata={"script": "error"}, stream=True
+        )
+        with pytest.raises(openai.APIError, match="scripted failure"):
+            async for _ in failing:
+                pass
+    for choice in done.choices:
+        assert choice.finish_reason == "tool_calls"
+        got = [c.function.arguments for c in choice.message.tool_calls or []]
+        assert len(got) == 2 and got == list(calls[choice.index].values())
+    await logs(redis, done.id, 2)

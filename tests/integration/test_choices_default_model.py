@@ -57,7 +57,7 @@ async def test_seeded_choices_are_reproducible_distinct_and_share_the_prefill(
     ask = {"model": smollm2.name, "messages": ASK, "temperature": 1.0, "top_p": 1.0}
     ask |= {"max_tokens": 10, "seed": 11}
     async with openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="k", max_retries=0) as c:
-        first = await c.chat.completions.create(**ask, n=3)  # type: ignore[call-overload]
+        first = await c.chat.completions.create(**ask, n=3, logprobs=True)  # type: ignore[call-overload]
         again = await c.chat.completions.create(**ask, n=3)  # type: ignore[call-overload]
         lone = await c.chat.completions.create(**{**ask, "seed": 12})  # type: ignore[call-overload]
     runs = [await choice_logs(redis, r.id, 3) for r in (first, again)]
@@ -67,6 +67,9 @@ async def test_seeded_choices_are_reproducible_distinct_and_share_the_prefill(
     (lone_log,) = await choice_logs(redis, lone.id, 1)
     assert generated_token_ids(lone_log) == tokens[0][1]  # choice 1 is seed + 1's answer
     assert lone.choices[0].message.content == first.choices[1].message.content
+    for choice, choice_tokens in zip(first.choices, tokens[0], strict=True):  # per choice, as n=1
+        assert choice.logprobs is not None and choice.logprobs.content
+        assert len(choice.logprobs.content) <= len(choice_tokens)
     starts = [events[0] for events in runs[0]]
     assert all(isinstance(s, Start) for s in starts)
     # The first request computed the prompt; every later choice found it in the prefix cache.
