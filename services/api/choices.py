@@ -163,7 +163,10 @@ class ChoicesPlan:
         return self.merge.close()
 
     def fail(self, error: Error) -> list[sse.Frame]:
-        """End a broken stream with ``error``."""
+        """End a broken stream with ``error`` (a lost log, say): the creator's other choices
+        would run on for nobody, so they are cancelled."""
+        if self._cancel_on_failure:
+            spawn(self._state, cancel_quietly(self._state, *self.rids))
         return self.merge.fail(error)
 
 

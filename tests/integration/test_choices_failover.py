@@ -54,3 +54,25 @@ async def test_each_choice_survives_a_worker_death(
         check_stream(events)
         assert sum(isinstance(e, Start) for e in events) == 1
         assert await redis.hget(keys.request(choice_id(rid, i)), "attempts") == b"1"  # type: ignore[misc]
+
+
+async def test_a_lost_choice_ends_the_answer_and_cancels_the_others(
+    api: str, redis_url: str, redis: aioredis.Redis
+) -> None:
+    """No worker is left to continue: the tail of a silent choice ends the answer with a
+    retryable worker_lost, and the request's other choices get their cancel flags."""
+    async with openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="k", max_retries=0) as client:
+        async with running_worker(redis_url, "scripted:long?rate=50", FAST_FAILOVER, MODEL) as a:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=ASK, n=2, stream=True
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].index == 1:
+                    break
+            rid = chunk.id
+            await a.kill()
+        with pytest.raises(openai.APIError, match="worker"):
+            async for _ in stream:
+                pass
+    for i in range(2):
+        assert await redis.exists(keys.cancel(choice_id(rid, i)))
