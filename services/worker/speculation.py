@@ -92,11 +92,11 @@ def split_logits(
 class Speculator:
     """Drafts for a step's decoding sequences, and the cleanup once they are verified."""
 
-    # A CPU step's cost in units of one more token row: BASE + PER_SEQ * sequences + rows.
-    # Measured on the default model (SmolLM2-135M Q4_1, 2 threads, 400-token contexts): one
-    # row 5.5 ms, one sequence's 5 rows 9.7 ms, 4 sequences' single rows 10.8 ms, 8 rows of 4
-    # sequences 14.5 ms (docs/benchmarks.md, *Speculative decoding*). Larger batches' rows cost
-    # less than this (20 rows: 22.9 ms), so the bar errs on drafting too little.
+    # A CPU step's cost in units of one more token row: BASE + PER_SEQ * sequences + rows, the
+    # marginal costs of small batches on the default model (ops/bench/row_cost.py: SmolLM2-135M
+    # Q4_1, 2 threads, 400-token contexts; one row 5.5 ms, one sequence's 5 rows 9.7 ms, 4
+    # sequences' single rows 10.8 ms). Larger batches' rows cost less than this (4 sequences'
+    # 5 rows: 22.9 ms), so there the bar errs on drafting too little, never too much.
     BASE, PER_SEQ = 3.7, 0.7
     PRIOR = 0.5  # a fresh sequence's acceptance estimate: one draft token likely, four not
     RATE = 0.3  # weight of the latest verified token in a sequence's estimate

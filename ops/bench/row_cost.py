@@ -1,0 +1,88 @@
+"""What a CPU forward costs per token row and per sequence: the speculator's cost model.
+
+Runs the default model's forward (the C kernels, ``--threads`` threads) on hand-built batches
+over a filled paged cache: one sequence with 1-5 rows (a decode row and draft rows), 4 and 8
+sequences with 1-5 rows each. ``speculation.Speculator`` models a step as ``BASE + PER_SEQ *
+sequences + rows`` row units, with the small batches' marginal costs (printed last as
+``small``: a row from one sequence's 1 and 5 rows, a sequence from 4 single rows against one
+sequence's 4): rows get cheaper as a batch grows, so the least-squares line over every shape
+(``fit``) puts more in the base, and using it would draft more in the small batches where
+speculation is decided. Prints one JSON object per shape (median and minimum of ``--repeats``):
+
+    .venv/bin/python ops/bench/row_cost.py --threads 2 --context 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from machine_load import emit, load_probe  # ops/bench is the script's directory: on sys.path
+
+from services.worker.kv_cache import SeqRows, build_batch
+from services.worker.torch_backend import TorchBackend
+from shared.config import Settings
+
+SHAPES = [[1], [2], [3], [4], [5], [1] * 2, [1] * 4, [2] * 4, [3] * 4, [5] * 4, [5, 1, 1, 1]]
+
+
+def main() -> None:
+    """Parse arguments, fill the cache, time the shapes and fit the model."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=400, help="cached tokens per sequence")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    b = TorchBackend.load(Settings(threads=args.threads, max_batch=8), "smollm2", None)
+    cache, model, cpu = b.scheduler.cache, b.scheduler.model, torch.device("cpu")
+    size = cache.block_size
+    tables = [[cache.allocate() for _ in range((args.context + 8) // size + 1)] for _ in range(8)]
+    measured: list[tuple[int, int, float]] = []  # (sequences, rows, median seconds)
+    by_shape: dict[str, float] = {}
+    with torch.inference_mode():
+        for i, table in enumerate(tables):  # each sequence's context, read as one prompt
+            ids = torch.randint(100, 10000, (args.context,))
+            prompt = build_batch([SeqRows(1000 + i, table, 0, args.context, 1)], size, cpu)
+            model(ids, prompt, cache)
+        for shape in [*SHAPES, [1] * 8]:
+            spans = [SeqRows(1000 + i, tables[i], args.context, n, n) for i, n in enumerate(shape)]
+            batch = build_batch(spans, size, cpu)
+            ids = torch.randint(100, 10000, (sum(shape),))
+            times, load = [], dict[str, Any]()
+            with load_probe([], load):
+                for _ in range(args.repeats):
+                    began = time.perf_counter()
+                    model(ids, batch, cache)
+                    times.append(time.perf_counter() - began)
+            median = statistics.median(times)
+            measured.append((len(shape), sum(shape), median))
+            by_shape[str(shape)] = median
+            emit({"rows": shape, "median_ms": round(median * 1e3, 2),
+                  "min_ms": round(min(times) * 1e3, 2), **load})  # fmt: skip
+    # least squares for t = base + per_seq * S + per_row * R, then in units of per_row
+    x = torch.tensor([[1.0, s, r] for s, r, _ in measured], dtype=torch.float64)
+    y = torch.tensor([t for _, _, t in measured], dtype=torch.float64)
+    base, per_seq, per_row = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.flatten().tolist()
+    row = (by_shape["[5]"] - by_shape["[1]"]) / 4
+    seq = (by_shape["[1, 1, 1, 1]"] - by_shape["[4]"]) / 3
+    small = {"base": by_shape["[1]"] - seq - row, "per_seq": seq, "per_row": row}
+    fit = {"base": base, "per_seq": per_seq, "per_row": per_row}
+    for name, model_ms in (("fit", fit), ("small", small)):
+        unit = model_ms["per_row"]
+        emit(
+            {
+                name: {k: round(v * 1e3, 2) for k, v in model_ms.items()},
+                "in_rows": {
+                    "BASE": round(model_ms["base"] / unit, 2),
+                    "PER_SEQ": round(model_ms["per_seq"] / unit, 2),
+                },
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()
