@@ -45,19 +45,19 @@ def transcript(case: str) -> bytes:
         chat = openai_chat.Context(
             id="chatcmpl-0000000000000001", created=1_700_000_000, model="m", include_usage=True
         )
-        projectors = [
+        chats = [
             openai_chat.Projector(msgspec.structs.replace(chat, index=i, n=n)) for i in range(n)
         ]
-        merge = ChoiceMerge(projectors, lambda usage: openai_chat.usage_chunk(chat, usage))
+        merge = ChoiceMerge(chats, lambda usage: openai_chat.usage_chunk(chat, usage))
     else:
         text = openai_completions.Context(
             id="cmpl-0000000000000001", created=1_700_000_000, model="m", include_usage=True
         )
-        projectors = [
+        texts = [
             openai_completions.Projector(msgspec.structs.replace(text, index=i, n=n))
             for i in range(n)
         ]
-        merge = ChoiceMerge(projectors, lambda usage: openai_completions.usage_chunk(text, usage))
+        merge = ChoiceMerge(texts, lambda usage: openai_completions.usage_chunk(text, usage))
     frames = [f for i, event in round_robin(streams) for f in merge.feed(i, event)]
     return b"".join(encode(f) for f in [*frames, *merge.close()])
 
