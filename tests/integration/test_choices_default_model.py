@@ -78,7 +78,7 @@ async def test_seeded_choices_are_reproducible_distinct_and_share_the_prefill(
 
 
 async def test_n4_against_four_requests(
-    api: str, smollm2: WorkerHandle, capsys: pytest.CaptureFixture[str]
+    api: str, smollm2: WorkerHandle, redis: aioredis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Not a benchmark: prints the wall time of n=4 beside 4 concurrent one-choice requests,
     each with a prompt nobody computed before (a distinct first word)."""
@@ -104,5 +104,13 @@ async def test_n4_against_four_requests(
         )
         four = time.perf_counter() - began
     assert merged.usage is not None and len(merged.choices) == 4 and len(apart) == 4
+    starts = [events[0] for events in await choice_logs(redis, merged.id, 4)]
+    starts += [(await choice_logs(redis, one.id, 1))[0][0] for one in apart]
+    cached = [s.cached_tokens if isinstance(s, Start) else None for s in starts]
+    whole = (merged.usage.prompt_tokens - 1) // 16 * 16  # the prompt's blocks, bar the last token
+    assert sorted(cached[:4]) == [0, whole, whole, whole]  # type: ignore[type-var]
     with capsys.disabled():
-        print(f"\nn=4: {n4:.2f}s; 4 requests: {four:.2f}s; prompt {merged.usage.prompt_tokens}")
+        print(
+            f"\nn=4: {n4:.2f}s, cached per choice {cached[:4]}; 4 requests: {four:.2f}s, "
+            f"cached {cached[4:]}; prompt {merged.usage.prompt_tokens} tokens"
+        )
