@@ -76,13 +76,16 @@ class ChoicesPlan:
         A request whose logs all hold their terminal event is read as one batch, so a replay
         interleaves the choices the same way every time (by entry id, ``encode``).
         """
-        logs = [
-            await finished_log(self._state, rid, after)
-            for rid, after in zip(self.rids, self.positions, strict=True)
-        ]
+        logs = await asyncio.gather(
+            *(
+                finished_log(self._state, rid, after)
+                for rid, after in zip(self.rids, self.positions, strict=True)
+            )
+        )
         if all(log is not None for log in logs):
             decoded = [entry_items(log or []) for log in logs]
-            yield [(i, items) for i, (items, _) in enumerate(decoded) if items]
+            if batch := [(i, items) for i, (items, _) in enumerate(decoded) if items]:
+                yield batch  # none: resumed after every terminal entry, only the end is left
             if errors := [error for _, error in decoded if error is not None]:
                 raise errors[0]
             return

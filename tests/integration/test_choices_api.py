@@ -191,6 +191,11 @@ async def test_resume_mid_stream_continues_every_choice_exactly(
             f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": "1-0"}
         )
         done = await http.get(f"/v1/chat/completions/{rid}")
+        final_id = [i for i, _ in frames_of(replay.text) if i][-1]
+        after_end = await http.get(
+            f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": final_id}
+        )
+    assert after_end.text == "data: [DONE]\n\n"  # resumed after every choice's end
     assert resumed.status_code == 200 and rest[-1] == (None, "[DONE]")
     whole = [c["message"]["content"] for c in done.json()["choices"]]
     assert texts_of(head + rest, 3) == whole  # nothing lost, nothing repeated, per choice
