@@ -311,3 +311,30 @@ async def test_tool_calls_per_choice_and_a_failing_request(
         got = [c.function.arguments for c in choice.message.tool_calls or []]
         assert len(got) == 2 and got == list(calls[choice.index].values())
     await logs(redis, done.id, 2)
+
+
+async def test_every_choice_is_its_creator_s_only(
+    settings: Settings, worker: object, redis: aioredis.Redis
+) -> None:
+    keyed = msgspec.structs.replace(settings, api_keys=["key-a", "key-b"])
+    body = {"model": MODEL, "messages": ASK, "n": 2}
+    a, b = {"x-api-key": "key-a"}, {"x-api-key": "key-b"}
+    async with running_api(keyed) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+        made = await http.post("/v1/chat/completions", json=body, headers=a)
+        rid = made.json()["id"]
+        routes = [
+            ("GET", f"/v1/chat/completions/{rid}"),
+            ("GET", f"/v1/chat/completions/{rid}.1"),
+            ("GET", f"/v1/chat/completions/{rid}/events"),
+            ("GET", f"/v1/chat/completions/{rid}.1/events"),
+            ("POST", f"/v1/requests/{rid}/cancel"),
+            ("POST", f"/v1/requests/{rid}.1/cancel"),
+        ]
+        others = [(await http.request(m, url, headers=b)).status_code for m, url in routes]
+        owns = [(await http.request(m, url, headers=a)).status_code for m, url in routes[:4]]
+        # A key that owns choice 0 but not choice 1 (say, a record rewritten) reads nothing.
+        await redis.hset(keys.request(f"{rid}.1"), "owner", "someone-else")  # type: ignore[misc]
+        partial = await http.get(f"/v1/chat/completions/{rid}", headers=a)
+    assert made.status_code == 200 and len(made.json()["choices"]) == 2
+    assert others == [404] * 6 and owns == [200] * 4
+    assert partial.status_code == 404
