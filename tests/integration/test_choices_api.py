@@ -108,9 +108,16 @@ async def test_completions_n2(api: str, worker: object, redis: aioredis.Redis) -
             stream_options={"include_usage": True},
         )
         chunks = [chunk async for chunk in stream]
+    async with httpx.AsyncClient(base_url=api, timeout=30) as http:
+        # replayed in the formats that can show it: Chat's chunks merge both choices, a format
+        # without choices (Messages) shows the request's own id, choice 0
+        as_chat = await http.get(f"/v1/chat/completions/{done.id}/events")
+        as_messages = await http.get(f"/v1/messages/{done.id}")
     assert [(ch.index, ch.text) for ch in done.choices] == [(0, "hi" + REPLY[:8])] * 1 + [
         (1, "hi" + REPLY[:8])
     ]
+    assert texts_of(frames_of(as_chat.text), 2) == [REPLY[:8]] * 2
+    assert as_messages.json()["content"][0]["text"] == REPLY[:8]
     assert done.usage is not None and done.usage.completion_tokens == 16
     texts = ["", ""]
     for chunk in chunks[:-1]:
