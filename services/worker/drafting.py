@@ -32,12 +32,7 @@ class NgramIndex:
         self.max_n, self.min_n = max_n, min_n
         self._ids = np.empty(0, dtype=np.int32)  # tokens[:_known], then spare room
         self._known = 0
-        # the speculator's pacing for this sequence (``Speculator.verified``): the estimated
-        # chance that a draft token is accepted, steps to go without drafting, and drafts in a
-        # row that did not pay
-        self.acceptance = 0.5
-        self.rest = 0
-        self.misses = 0
+        self.matched = 0  # the length of the match the last draft continues (0: none)
 
     def _catch_up(self, tokens: list[int]) -> np.ndarray:
         end = len(tokens)
@@ -54,6 +49,7 @@ class NgramIndex:
         """Up to ``k`` tokens to follow ``tokens``; ``tokens`` only ever grows between calls."""
         ids = self._catch_up(tokens)
         end = len(ids)
+        self.matched = 0
         if k < 1 or end < 2:
             return []
         # e: where an earlier occurrence of the suffix ends (before the last token's position)
@@ -67,7 +63,7 @@ class NgramIndex:
             ends, n = longer, n + 1
         if not len(ends) or n < self.min_n:
             return []
-        at = int(ends[-1]) + 1
+        self.matched, at = n, int(ends[-1]) + 1
         # The match says the text repeats with period end - at; past the end of what is
         # written, the draft goes on repeating (a loop, a run of one token).
         period = end - at

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from services.worker.constrain import ConstraintState
+from services.worker.draft_pacing import DraftRecord
 from services.worker.drafting import NgramIndex
 from services.worker.sampling import SamplingConfig
 from shared.events import AnyEvent, FinishReason, TokenLogprob
@@ -73,6 +74,7 @@ class SequenceState:
     done: bool = False
     constraint: ConstraintState | None = None  # structured output / forced tool call
     drafter: NgramIndex | None = None  # its n-grams, once it speculates (``speculation.py``)
+    pace: DraftRecord | None = None  # how its drafts fared, once it speculates
     draft: list[int] = field(default_factory=list)  # tokens this step verifies after its last
 
     @property

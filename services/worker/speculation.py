@@ -28,10 +28,8 @@ so its mask is the one a one-token step would have used, and the matcher itself 
 consumes chosen tokens. Not speculated: prompts still being read, and the GPU path (its batched
 chooser and replayed decode graphs take one row per sequence).
 
-When to draft, and how much, weighs each draft row against the step it joins (``Speculator``'s
-``allot``): on the CPU kernels a row costs about a quarter of a one-row step, so a row is worth
-adding only while its draft token's chance of acceptance beats the tokens per unit of cost the
-step already yields, a bar that rises with the batch.
+When to draft, and how much, is ``draft_pacing.DraftPacer``'s: each draft row is weighed
+against the step it joins, by the draft's estimated chance of acceptance.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.draft_pacing import DraftPacer, DraftRecord
 from services.worker.drafting import NgramIndex
 from services.worker.kv_cache import SeqRows
 from services.worker.paging import Planner
@@ -92,27 +91,18 @@ def split_logits(
 class Speculator:
     """Drafts for a step's decoding sequences, and the cleanup once they are verified."""
 
-    # A CPU step's cost in units of one more token row: BASE + PER_SEQ * sequences + rows, the
-    # marginal costs of small batches on the default model (ops/bench/row_cost.py: SmolLM2-135M
-    # Q4_1, 2 threads, 400-token contexts; one row 5.5 ms, one sequence's 5 rows 9.7 ms, 4
-    # sequences' single rows 10.8 ms). Larger batches' rows cost less than this (4 sequences'
-    # 5 rows: 22.9 ms), so there the bar errs on drafting too little, never too much.
-    BASE, PER_SEQ = 3.7, 0.7
-    PRIOR = 0.5  # a fresh sequence's acceptance estimate: one draft token likely, four not
-    RATE = 0.3  # weight of the latest verified token in a sequence's estimate
-    MAX_REST = 31  # steps a sequence rests, at most, after drafts that did not pay
-
     def __init__(self, tokens: int, *, max_n: int = 4, min_n: int = 1) -> None:
         if tokens < 1:
             raise ValueError(f"speculation needs at least one draft token, not {tokens}")
         self.k, self.max_n, self.min_n = tokens, max_n, min_n
+        self.pacer = DraftPacer(max_n)
         self.stats = SpecStats()
 
     def propose(self, rows: Rows, planner: Planner, context_length: int) -> Rows:
         """``rows`` with each eligible decoding sequence's row count grown by its draft
-        (``seq.draft``), as far as the step gains by it (``allot``), within the step's token
-        budget and the pool's free blocks: a draft never preempts anyone, and never outgrows
-        ``max_new`` or the context."""
+        (``seq.draft``), as far as the step gains by it (``DraftPacer.allot``), within the
+        step's token budget and the pool's free blocks: a draft never preempts anyone, and
+        never outgrows ``max_new`` or the context."""
         offers: list[tuple[SequenceState, list[int]]] = []
         for seq, n in rows:
             seq.draft = []
@@ -128,66 +118,29 @@ class Speculator:
                     draft = draft[: seq.constraint.admits(draft)]
                 if draft:
                     offers.append((seq, draft))
+        keep = self.pacer.allot(
+            [(_record(s), _matched(s), len(d)) for s, d in offers],
+            sequences=len(rows),
+            rows=sum(n for _, n in rows),
+            tokens=sum(1 for s, n in rows if s.kv_len + n == len(s.tokens)),
+        )
         budget = planner.max_batched_tokens - sum(n for _, n in rows)
-        keep = self.allot(offers, rows)
         for (seq, draft), d in zip(offers, keep, strict=True):
-            if d == 0:  # not worth a row in this batch: ask again after a rest
-                self._rest(seq)
-                continue
             draft = draft[: min(d, budget)]
             seq.draft = draft[: self._fit(planner, seq, len(draft))]
             budget -= len(seq.draft)
         return [(s, n + len(s.draft)) for s, n in rows]
-
-    def allot(self, offers: list[tuple[SequenceState, list[int]]], rows: Rows) -> list[int]:
-        """How many tokens of each offered draft the step verifies.
-
-        Draft token ``j`` of a sequence whose tokens are accepted with estimated probability
-        ``a`` is accepted with probability ``a ** j``: that is what its row adds to the step's
-        expected tokens, for one unit of cost (``BASE``). A step yielding ``T`` tokens for cost
-        ``C`` yields more per unit of time with the row only if ``a ** j > T / C``; rows are
-        added best first while that holds, so a large batch (high ``T / C``) keeps only drafts
-        likely to be accepted, and a lone stream drafts on weaker evidence.
-        """
-        tokens = float(sum(1 for s, n in rows if s.kv_len + n == len(s.tokens)))
-        cost = self.BASE + self.PER_SEQ * len(rows) + sum(n for _, n in rows)
-        chances: list[tuple[float, int]] = []  # (a draft token's chance, its offer)
-        for i, (seq, draft) in enumerate(offers):
-            assert seq.drafter is not None
-            a = seq.drafter.acceptance
-            chances.extend((a ** (j + 1), i) for j in range(len(draft)))
-        keep = [0] * len(offers)
-        for chance, i in sorted(chances, key=lambda c: -c[0]):
-            if chance * cost <= tokens:
-                break
-            keep[i] += 1
-            tokens, cost = tokens + chance, cost + 1
-        return keep
 
     @staticmethod
     def _eligible(seq: SequenceState) -> bool:
         return seq.decoder is not None and seq.to_compute == 1
 
     def _due(self, seq: SequenceState) -> bool:
-        """Whether ``seq`` may draft this step (it rests after drafts that did not pay; its
-        estimate then drifts halfway back to the prior, so it is tried again)."""
         if seq.drafter is None:
             seq.drafter = NgramIndex(self.max_n, self.min_n)
-            seq.drafter.acceptance = self.PRIOR
-        drafter = seq.drafter
-        if drafter.rest > 0:
-            drafter.rest -= 1
-            if drafter.rest == 0:
-                drafter.acceptance = max(drafter.acceptance, (drafter.acceptance + self.PRIOR) / 2)
-            return False
-        return True
-
-    def _rest(self, seq: SequenceState) -> None:
-        """Rest ``seq`` 1, 3, 7 .. ``MAX_REST`` steps after as many misses in a row."""
-        drafter = seq.drafter
-        assert drafter is not None
-        drafter.misses += 1
-        drafter.rest = min(2**drafter.misses - 1, self.MAX_REST)
+        if seq.pace is None:
+            seq.pace = DraftRecord()
+        return self.pacer.due(seq.pace)
 
     @staticmethod
     def _fit(planner: Planner, seq: SequenceState, drafted: int) -> int:
@@ -207,7 +160,8 @@ class Speculator:
         self.stats.drafts += 1
         self.stats.draft_tokens += len(seq.draft)
         self.stats.accepted_tokens += accepted
-        self._pace(seq, accepted)
+        if seq.draft:
+            self.pacer.learn(_record(seq), _matched(seq), len(seq.draft), accepted)
         seq.draft = []
         if seq.done or not seq.blocks:
             return
@@ -218,19 +172,12 @@ class Speculator:
             del seq.blocks[keep:]
             planner.pool.release(spare)
 
-    def _pace(self, seq: SequenceState, accepted: int) -> None:
-        """Learn from how ``seq``'s draft fared: each verified token (the accepted ones, and
-        the first rejected) moves its acceptance estimate, and a wholly rejected draft makes it
-        rest, longer after each such draft in a row. Fresh text (a story) repeats little, though
-        some earlier token nearly always matches its last: its drafts then cost rows for
-        nothing, so they thin out fast; a copy keeps a high estimate and long drafts."""
-        drafter = seq.drafter
-        if drafter is None or not seq.draft:
-            return
-        outcomes = [1.0] * accepted + ([0.0] if accepted < len(seq.draft) else [])
-        for x in outcomes:
-            drafter.acceptance += self.RATE * (x - drafter.acceptance)
-        if accepted:
-            drafter.misses = 0
-        else:
-            self._rest(seq)
+
+def _record(seq: SequenceState) -> DraftRecord:
+    assert seq.pace is not None  # set with the drafter, on the sequence's first chance to draft
+    return seq.pace
+
+
+def _matched(seq: SequenceState) -> int:
+    assert seq.drafter is not None
+    return seq.drafter.matched

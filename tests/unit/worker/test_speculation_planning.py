@@ -1,12 +1,13 @@
 """``Speculator`` with the planner alone: which rows a draft adds, the blocks it borrows, what
-goes back after verification, and how much a sequence drafts given its record and its batch (no
-model: a "forward" commits rows, verification is scripted)."""
+goes back after verification, and how its pacer's verdict sets a draft's length in a step (no
+model: a "forward" commits rows, verification is scripted; ``test_draft_pacing`` has the rule
+itself)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from services.worker.drafting import NgramIndex
+from services.worker.draft_pacing import DraftRecord
 from services.worker.speculation import Speculator
 from tests.unit.worker.test_paging import SIZE, planner, seq, step
 
@@ -21,8 +22,7 @@ def decoding(
     p = planner(blocks, **kw)
     s = seq(prompt, max_new=32)
     s.decoder = object()  # type: ignore[assignment]  # its stream started
-    s.drafter = NgramIndex()
-    s.drafter.acceptance = acceptance
+    s.pace = DraftRecord(estimates=dict.fromkeys(range(1, 5), acceptance))
     p.pending.append(s)
     step(p, sample=1)  # tokens: REPEAT + [1]; kv_len 14
     s.generated = 1
@@ -32,7 +32,7 @@ def decoding(
 def test_a_draft_grows_the_decode_row_and_borrows_blocks() -> None:
     p, s = decoding(REPEAT)
     rows = Speculator(4).propose(p.plan(), p, context_length=1024)
-    assert rows == [(s, 5)] and s.draft == [2, 3, 4, 5]
+    assert rows == [(s, 5)] and s.draft == [2, 3, 4, 5] and s.drafter.matched == 4
     assert len(s.blocks) * SIZE >= s.kv_len + 5  # 19 positions: 3 blocks of 8
 
 
@@ -102,32 +102,32 @@ def test_a_constrained_draft_is_cut_to_what_the_grammar_allows() -> None:
         assert Speculator(4).propose(p.plan(), p, context_length=1024) == [(s, rows)]
 
 
-def test_the_bar_for_a_draft_row_rises_with_the_batch() -> None:
-    """A draft token's row is kept while its chance of acceptance beats the tokens per unit of
-    cost of the step: a fresh lone stream drafts two tokens, four fresh streams one each,
-    sixteen none, and a sequence that has been copying keeps its whole draft among them."""
+def test_the_step_and_the_match_set_the_length() -> None:
+    """The pacer sees the batch's sequences, rows and tokens, and each offer's match length."""
 
-    def drafts(acceptances: list[float]) -> list[int]:
-        p = planner(64 * len(acceptances), budget=512, max_batch=len(acceptances))
-        seqs = [seq([i + 20, *REPEAT], max_new=32) for i in range(len(acceptances))]
+    def drafts(estimates: list[dict[int, float]]) -> list[int]:
+        p = planner(64 * len(estimates), budget=512, max_batch=len(estimates))
+        seqs = [seq([i + 20, *REPEAT], max_new=32) for i in range(len(estimates))]
         p.pending.extend(seqs)
         step(p, sample=1)
-        for s, a in zip(seqs, acceptances, strict=True):
+        for s, mine in zip(seqs, estimates, strict=True):
             s.decoder, s.generated = object(), 1  # type: ignore[assignment]  # started
-            s.drafter = NgramIndex()
-            s.drafter.acceptance = a
+            s.pace = DraftRecord(estimates=mine)
         return [n - 1 for _, n in Speculator(4).propose(p.plan(), p, context_length=1024)]
 
-    assert drafts([0.5]) == [2]
-    assert drafts([0.5] * 4) == [1] * 4
-    assert drafts([0.5] * 16) == [0] * 16
-    assert drafts([0.95] + [0.5] * 15) == [4] + [0] * 15
-    assert drafts([0.2]) == [1] and drafts([0.2] * 4) == [0] * 4
+    sure, unsure = dict.fromkeys(range(1, 5), 0.95), dict.fromkeys(range(1, 5), 0.5)
+    assert drafts([unsure]) == [2]
+    assert drafts([unsure] * 4) == [1] * 4
+    assert drafts([unsure] * 16) == [0] * 16
+    assert drafts([sure] + [unsure] * 15) == [4] + [0] * 15
+    # "1" ends REPEAT + [1]: the match is the 4-gram "5 6 7 1"; only that length's record counts
+    assert drafts([{4: 0.95, 1: 0.1}]) == [4] and drafts([{4: 0.1, 1: 0.95}]) == [0]
 
 
-def test_misses_make_a_sequence_rest_and_its_record_sets_the_draft_length() -> None:
-    p, s = decoding(REPEAT, acceptance=0.5)
-    spec = Speculator(4)
+def test_misses_make_a_sequence_rest_and_hits_lengthen_its_drafts() -> None:
+    p, s = decoding(REPEAT)
+    spec = Speculator(4, max_n=1)  # every draft continues a 1-gram: one estimate to follow
+    s.pace = DraftRecord(estimates={1: 0.5})
 
     def one_step(accept: int, chosen: int) -> int:
         """Plan with drafts; the model keeps ``accept`` draft tokens (-1: all) then chooses
@@ -143,12 +143,9 @@ def test_misses_make_a_sequence_rest_and_its_record_sets_the_draft_length() -> N
             spec.verified(s, accept, p)
         return n
 
-    assert one_step(0, 9) == 3  # a fresh record: two draft tokens, both rejected
-    assert one_step(0, 1) == 1  # rests one step
-    assert one_step(0, 9) == 2  # its estimate fell to 0.35 and drifted back: one token
-    assert [one_step(0, 1) for _ in range(3)] == [1, 1, 1]  # a second miss in a row: rests 3
-    assert one_step(1, 3) == 2  # back to a single token (0.37): accepted, then a bonus token
-    assert s.drafter.misses == 0
+    assert one_step(0, 9) == 3  # two draft tokens (a 0.5 estimate), both rejected: 0.35
+    assert one_step(0, 1) == 1  # rests one step, then halfway back to the shared 0.475
     widths = [one_step(-1, 5) - 1 for _ in range(4)]  # each accepted in full
-    assert widths == [2, 4, 4, 4]  # the estimate climbs, and the draft with it, up to k
-    assert one_step(1, 9) == 5 and one_step(-1, 5) == 3  # a miss after one token: shorter
+    assert widths == [1, 2, 4, 4]  # the estimate climbs (0.59, 0.79, 0.98 ..), up to k
+    assert one_step(1, 9) == 5 and one_step(-1, 5) == 4  # a miss after one token: 0.7, 3
+    assert spec.stats.drafts == 7 and spec.stats.accepted_tokens == 11 + 1 + 3
