@@ -35,6 +35,7 @@ from services.api.wire.anthropic_messages.request_types import (
 from services.api.wire.common import decode_body, error_location, reasoning_effort
 from services.api.wire.constraints import anthropic_format, check_tool_schemas
 from services.api.wire.extra_fields import extra_fields, refuse
+from services.api.wire.sampling import check_sampling
 from shared.errors import InvalidRequest
 from shared.jobs import (
     Constraint,
@@ -231,10 +232,13 @@ def build_job(
         tools=_tools(req),
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
-        sampling=SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k or None,  # 0 means "no top-k" in every sampler we know
+        # Anthropic's own, narrower ranges (temperature up to 1) are on MessagesRequest
+        sampling=check_sampling(
+            SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k or None,  # 0 means "no top-k" in every sampler we know
+            )
         ),
         max_tokens=req.max_tokens,
         stop=list(req.stop_sequences or []),

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import msgspec
 
-from services.api.wire.common import WireInt, check_range
+from services.api.wire.common import WireInt
+from services.api.wire.sampling import check_sampling
 from shared.errors import InvalidRequest
 from shared.jobs import SamplingParams
 
 __all__ = ["Options", "max_tokens", "num_ctx", "sampling", "stops"]
+
+# Ollama's names for the job's sampling fields: ``top_logprobs`` is top-level, not an option.
+_NAMES = {"repetition_penalty": "options.repeat_penalty", "top_logprobs": "top_logprobs"}
 
 
 class Options(msgspec.Struct, forbid_unknown_fields=False):
@@ -44,19 +48,10 @@ def sampling(o: Options | None, *, logprobs: bool, top_logprobs: int | None) -> 
         InvalidRequest: a value outside the range the worker samples with.
     """
     o = o or Options()
-    check_range(o.temperature, 0.0, 2.0, "options.temperature")
-    check_range(o.top_p, 0.0, 1.0, "options.top_p")
-    check_range(o.min_p, 0.0, 1.0, "options.min_p")
-    check_range(o.presence_penalty, -2.0, 2.0, "options.presence_penalty")
-    check_range(o.frequency_penalty, -2.0, 2.0, "options.frequency_penalty")
-    check_range(o.repeat_penalty, 1e-6, 100.0, "options.repeat_penalty")
-    check_range(top_logprobs, 0, 20, "top_logprobs")
-    if o.top_k is not None and o.top_k < 0:
-        raise InvalidRequest("options.top_k must not be negative", param="options.top_k")
-    return SamplingParams(
+    sampling = SamplingParams(
         temperature=o.temperature,
         top_p=o.top_p,
-        top_k=o.top_k or None,
+        top_k=o.top_k or None,  # 0 is Ollama's "no top-k"
         min_p=o.min_p,
         seed=o.seed if o.seed is not None and o.seed >= 0 else None,
         presence_penalty=o.presence_penalty or 0.0,
@@ -66,6 +61,7 @@ def sampling(o: Options | None, *, logprobs: bool, top_logprobs: int | None) -> 
         logprobs=logprobs or bool(top_logprobs),
         top_logprobs=top_logprobs or 0,
     )
+    return check_sampling(sampling, "options.", _NAMES)
 
 
 def max_tokens(o: Options | None) -> int | None:

@@ -13,7 +13,6 @@ import msgspec
 from services.api.wire.common import (
     JsonObject,
     WireInt,
-    check_range,
     decode_body,
     error_location,
     reasoning_effort,
@@ -24,6 +23,7 @@ from services.api.wire.constraints import (
 )
 from services.api.wire.extra_fields import REFUSED_EVERYWHERE, extra_fields, refuse
 from services.api.wire.openai_chat.tools import ChatTool, parse_tool_choice, parse_tools
+from services.api.wire.sampling import check_sampling, vllm_top_k
 from shared.errors import InvalidRequest
 from shared.jobs import (
     Constraint,
@@ -294,29 +294,19 @@ def _constraint(req: ChatRequest) -> Constraint | None:
 
 
 def _sampling(req: ChatRequest) -> SamplingParams:
-    check_range(req.temperature, 0.0, 2.0, "temperature")
-    check_range(req.top_p, 0.0, 1.0, "top_p")
-    check_range(req.min_p, 0.0, 1.0, "min_p")
-    check_range(req.presence_penalty, -2.0, 2.0, "presence_penalty")
-    check_range(req.frequency_penalty, -2.0, 2.0, "frequency_penalty")
-    check_range(req.top_logprobs, 0, 20, "top_logprobs")
-    if req.top_logprobs and not req.logprobs:
-        raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
-        raise InvalidRequest("repetition_penalty must be positive", param="repetition_penalty")
-    return SamplingParams(
+    sampling = SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
-        # vLLM's convention: top_k 0 or -1 means "no top-k"
-        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
+        top_k=vllm_top_k(req.top_k),
         min_p=req.min_p,
         seed=req.seed,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
     )
+    return check_sampling(sampling)
 
 
 def _max_tokens(req: ChatRequest) -> int | None:

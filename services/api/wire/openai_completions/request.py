@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from services.api.wire.common import WireInt, check_range, decode_body, error_location
+from services.api.wire.sampling import check_sampling, vllm_top_k
 from shared.errors import InvalidRequest
 from shared.jobs import GenerateRequest, ReasoningControl, SamplingParams
 
@@ -180,26 +181,20 @@ def _prompt(raw: str | list[Any]) -> str | list[int]:
 
 
 def _sampling(req: CompletionRequest) -> SamplingParams:
-    check_range(req.temperature, 0.0, 2.0, "temperature")
-    check_range(req.top_p, 0.0, 1.0, "top_p")
-    check_range(req.min_p, 0.0, 1.0, "min_p")
-    check_range(req.presence_penalty, -2.0, 2.0, "presence_penalty")
-    check_range(req.frequency_penalty, -2.0, 2.0, "frequency_penalty")
-    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
-        raise InvalidRequest("repetition_penalty must be positive", param="repetition_penalty")
-    return SamplingParams(
+    sampling = SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
-        # vLLM's convention: top_k 0 or -1 means "no top-k"
-        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
+        top_k=vllm_top_k(req.top_k),
         min_p=req.min_p,
         seed=req.seed,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0,
     )
+    # legacy completions name the number of alternatives ``logprobs``
+    return check_sampling(sampling, renames={"top_logprobs": "logprobs"})
 
 
 def _stop(raw: str | list[str] | None) -> list[str]:

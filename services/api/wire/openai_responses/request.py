@@ -19,6 +19,7 @@ from services.api.wire.common import (
     UNDECODABLE,
     JsonObject,
     WireInt,
+    check_range,
     reasoning_effort,
     undecodable,
 )
@@ -38,6 +39,7 @@ from services.api.wire.openai_responses.types import (
     TextFormat,
 )
 from services.api.wire.reasoning_tokens import ReasoningSigner
+from services.api.wire.sampling import LIMITS, check_sampling
 from shared.errors import InvalidRequest
 from shared.jobs import (
     Constraint,
@@ -166,12 +168,10 @@ def _text_config(req: ResponsesRequest) -> TextConfig:
 def _check_ranges(req: ResponsesRequest) -> None:
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise InvalidRequest("max_output_tokens must be at least 1", param="max_output_tokens")
-    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
-        raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise InvalidRequest("top_p must be greater than 0 and at most 1", param="top_p")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+    # Checked as the parse's first step, so the skeleton never holds an unusable value; without
+    # logprobs, top_logprobs is dropped from the job, but it must still be in range.
+    check_sampling(SamplingParams(temperature=req.temperature, top_p=req.top_p))
+    check_range(req.top_logprobs, *LIMITS.top_logprobs, "top_logprobs")
     metadata = req.metadata or {}
     if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
         raise InvalidRequest(
