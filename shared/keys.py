@@ -83,7 +83,7 @@ def queue(model: str) -> str:
 
 def affinity_holders(model: str) -> str:
     """Hash of the workers that publish the prefixes they hold for a model's queue: worker id to
-    ``"<free slots> <expiry, Redis ms> <reserved>"`` (``services/queue/affinity.py``)."""
+    ``"<free slots> <expiry, Redis ms> <reserved> <running>"`` (``services/queue/affinity.py``)."""
     return f"{PREFIX}:affinity:{model}"
 
 

@@ -59,37 +59,38 @@ MIN_GAP_S = 0.01  # publishes closer than this are folded into one (a burst of j
 JOURNAL_EVERY_S = 0.02
 
 # The scripts send hashes 256 to a Redis command: Lua's unpack has a stack limit (~8,000).
-# Lua helpers: Redis's clock in ms, and a holder's "<free> <expiry ms> <reserved>" field
-# (reserved: jobs preferred to it since it last published, which it has not started yet).
+# Lua helpers: Redis's clock in ms, and a holder's "<free> <expiry ms> <reserved> <running>"
+# field (reserved: jobs preferred to it since it last published, which it has not started yet).
 _LUA_COMMON = """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function holder(field)
-  if not field then return nil, nil, nil end
-  local free, expiry, reserved = string.match(field, '^(%-?%d+) (%d+) (%d+)$')
-  return tonumber(free), tonumber(expiry), tonumber(reserved)
+  if not field then return nil, nil, nil, nil end
+  local free, expiry, reserved, running = string.match(field, '^(%-?%d+) (%d+) (%d+) (%d+)$')
+  return tonumber(free), tonumber(expiry), tonumber(reserved), tonumber(running)
 end
 """
 
 # Runs inside the enqueue script, after the job is queued. KEYS[4]: the model's holders hash,
 # KEYS[5]: the job's preference key. ARGV[6]: wait ms, ARGV[7]: a random salt (ties),
 # ARGV[8]: the block-set key prefix (``keys.affinity_blocks("")``), ARGV[9..]: the chain.
+# SGLang's balance guard, in jobs: a worker running (or promised) more than 2 jobs beyond the
+# least busy candidate, and over 1.5 times its count, is passed over whatever it holds. Without
+# it, sessions that start together all prefer whichever worker happened to be a chunk ahead in
+# reading their shared system prompt (measured: 11 of 16 sessions on one of two workers).
 PREFER = (
     _LUA_COMMON
     + """
-local now = now_ms()
-local best_n, best_free, ties, fields = -1, 0, {}, {}
+local now, cands = now_ms(), {}
 local holders = redis.call('HGETALL', KEYS[4])
 for i = 1, #holders, 2 do
   local wid = holders[i]
-  local free, expiry, reserved = holder(holders[i + 1])
+  local free, expiry, reserved, running = holder(holders[i + 1])
   if not expiry or expiry <= now then
     redis.call('HDEL', KEYS[4], wid)
   elseif free - reserved > 0 then
-    free = free - reserved
-    fields[wid] = {free + reserved, expiry, reserved}
     local n, from = 0, 9
     while from <= #ARGV do
       local to = math.min(from + 256 - 1, #ARGV)
@@ -100,19 +101,28 @@ for i = 1, #holders, 2 do
       if k <= #held then break end
       from = to + 1
     end
-    if n > best_n or (n == best_n and free > best_free) then
-      best_n, best_free, ties = n, free, {wid}
-    elseif n == best_n and free == best_free then
-      ties[#ties + 1] = wid
-    end
+    cands[#cands + 1] = {wid = wid, n = n, free = free, expiry = expiry, reserved = reserved,
+                         running = running, load = running + reserved, room = free - reserved}
   end
 end
-if #ties > 0 then
-  local wid = ties[tonumber(ARGV[7]) % #ties + 1]
-  local pref = wid .. ' ' .. (now + tonumber(ARGV[6])) .. ' ' .. best_n
+if #cands > 0 then
+  local least = cands[1].load
+  for _, c in ipairs(cands) do least = math.min(least, c.load) end
+  local best, ties = nil, {}
+  for _, c in ipairs(cands) do
+    if not (c.load - least > 2 and c.load > 1.5 * least) then
+      if not best or c.n > best.n or (c.n == best.n and c.room > best.room) then
+        best, ties = c, {c}
+      elseif c.n == best.n and c.room == best.room then
+        ties[#ties + 1] = c
+      end
+    end
+  end
+  local c = ties[tonumber(ARGV[7]) % #ties + 1]
+  local pref = c.wid .. ' ' .. (now + tonumber(ARGV[6])) .. ' ' .. c.n
   redis.call('SET', KEYS[5], pref, 'PX', ARGV[4])
-  local f = fields[wid]
-  redis.call('HSET', KEYS[4], wid, f[1] .. ' ' .. f[2] .. ' ' .. (f[3] + 1))
+  local field = c.free .. ' ' .. c.expiry .. ' ' .. (c.reserved + 1) .. ' ' .. c.running
+  redis.call('HSET', KEYS[4], c.wid, field)
 end
 """
 )
@@ -158,9 +168,10 @@ return {soonest, out}
 )
 
 # A worker's holdings, changes only. KEYS[1]: the holders hash, KEYS[2]: this worker's block
-# set. ARGV[1]: worker id, ARGV[2]: free slots, ARGV[3]: TTL ms, ARGV[4]: '1' to replace the
-# set, ARGV[5]: how many hashes to add, then those, then the hashes to remove. Returns the set's
-# size, which the worker compares with its own count to notice a set that went missing.
+# set. ARGV[1]: worker id, ARGV[2]: "<free slots> <running jobs>", ARGV[3]: TTL ms, ARGV[4]:
+# '1' to replace the set, ARGV[5]: how many hashes to add, then those, then the hashes to
+# remove. Returns the set's size, which the worker compares with its own count to notice a set
+# that went missing.
 _HOLD = (
     _LUA_COMMON
     + """
@@ -177,7 +188,8 @@ apply('SADD', 6, 5 + adds)
 apply('SREM', 6 + adds, #ARGV)
 local ttl = tonumber(ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ttl)
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. (now_ms() + ttl) .. ' 0')
+local free, running = string.match(ARGV[2], '^(%-?%d+) (%d+)$')
+redis.call('HSET', KEYS[1], ARGV[1], free .. ' ' .. (now_ms() + ttl) .. ' 0 ' .. running)
 redis.call('PEXPIRE', KEYS[1], ttl)
 return redis.call('SCARD', KEYS[2])
 """
@@ -221,13 +233,14 @@ class Holdings:
         redis: aioredis.Redis,
         model: str,
         wid: str,
-        free: Callable[[], int],
+        slots: Callable[[], tuple[int, int]],
         journal: deque[tuple[bool, bytes]] | None,
         ttl_s: float = HOLD_TTL_S,
     ) -> None:
-        """``free``: the job slots this worker would fill now; ``journal``: the block pool's
-        record of known blocks (None: a backend without a prefix cache publishes slots only)."""
-        self.wid, self.free, self.journal, self.ttl_s = wid, free, journal, ttl_s
+        """``slots``: (the job slots this worker would fill now, the jobs it runs); ``journal``:
+        the block pool's record of known blocks (None: a backend without a prefix cache
+        publishes slots only)."""
+        self.wid, self.slots, self.journal, self.ttl_s = wid, slots, journal, ttl_s
         self.held: set[bytes] = set()
         self.publishes = 0
         self._keys = [keys.affinity_holders(model), keys.affinity_blocks(wid)]
@@ -257,8 +270,8 @@ class Holdings:
         adds, removes = self._drain()
         resend = self._resend
         args: list[Any] = [
-            self.wid, self.free(), int(self.ttl_s * 1000), "1" if resend else "0", len(adds),
-            *adds, *removes,
+            self.wid, " ".join(map(str, self.slots())), int(self.ttl_s * 1000),
+            "1" if resend else "0", len(adds), *adds, *removes,
         ]  # fmt: skip
         self._resend = True  # until this call is known to have landed
         size = int(await self._script(self._keys, args))

@@ -225,7 +225,7 @@ class Consumer:
                 self._arq,
                 model,
                 affinity_wid,
-                lambda: w.max_jobs - w.job_counter if w.allow_pick_jobs else 0,
+                lambda: (w.max_jobs - w.job_counter if w.allow_pick_jobs else 0, w.job_counter),
                 journal,
             )
             self.worker.on_pickup = on_pickup

@@ -1,17 +1,18 @@
 """Cache-aware pickup with two real workers: a session stays where its history is cached.
 
-Two workers serve the same tiny random Llama (same weights, so greedy answers agree wherever
-they run) behind the real API, on the test Redis. A session of chat turns, each sending back
-the whole conversation: every turn after the first runs on the worker that ran the first, as
-long as that worker has a free slot; when it is busy the turn goes to the other at once, and
-when it is killed the other takes it once the wait is over. Each request's stream ends once,
-and every turn is answered.
+Two workers serve the same model (a tiny random Llama, and the real default model in the slow
+variant; same weights, so greedy answers agree wherever they run) behind the real API, on the
+test Redis. A session of chat turns, each sending back the whole conversation: every turn after
+the first runs on the worker that ran the first, as long as that worker has a free slot; when it
+is busy the turn goes to the other at once, and when it is killed the other takes it once the
+wait is over. Each request's stream ends once, and every turn is answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from services.worker.backend import Backend
 from services.worker.loaders import load_model
 from services.worker.main import RunningWorker, start_worker
 from services.worker.torch_backend import TorchBackend
@@ -31,35 +33,54 @@ from tests.worker_models import write_hf_model
 
 pytestmark = pytest.mark.integration
 
-MODEL = "tiny-affinity"
+TINY = "tiny-affinity"
 WAIT_MS = 300  # well inside the holdings' 3 s expiry: a killed worker is still "alive" then
 SYSTEM = " ".join(["Paris weather tool call answer question check"] * 12)
 
 
-@pytest.fixture
-async def pair(redis_url: str, redis: aioredis.Redis, tmp_path: Path) -> AsyncIterator[Any]:
-    """Two workers, "wa" and "wb", each with two slots, serving the same weights."""
-    write_hf_model(tmp_path / MODEL, seed=3, max_position_embeddings=2048)
+@dataclass
+class Pair:
+    """The API and two workers, "wa" and "wb", each with two slots, serving one model."""
+
+    base: str
+    workers: dict[str, RunningWorker]
+    model: str
+    long_tokens: int  # an answer long enough to still run while a short turn is served
+
+
+@pytest.fixture(params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
+async def pair(
+    request: pytest.FixtureRequest, redis_url: str, redis: aioredis.Redis, tmp_path: Path
+) -> AsyncIterator[Pair]:
     settings = Settings.from_env(
-        {}, redis_url=redis_url, lease_ttl_s=10.0, heartbeat_s=0.5, affinity_wait_ms=WAIT_MS
-    )
+        {}, redis_url=redis_url, lease_ttl_s=10.0, heartbeat_s=0.5, affinity_wait_ms=WAIT_MS,
+        device="cpu", threads=1, max_batch=2,
+    )  # fmt: skip
+    if request.param == "tiny":
+        write_hf_model(tmp_path / TINY, seed=3, max_position_embeddings=2048)
+
+    def backend() -> Backend:
+        if request.param == "tiny":
+            return TorchBackend(load_model(str(tmp_path / TINY), device="cpu"), max_batch=2)
+        return TorchBackend.load(settings, "smollm2", None)
+
     workers: dict[str, RunningWorker] = {}
     try:
         for wid in ("wa", "wb"):
-            backend = TorchBackend(load_model(str(tmp_path / MODEL), device="cpu"), max_batch=2)
-            workers[wid] = await start_worker(settings, backend, wid=wid)
+            workers[wid] = await start_worker(settings, backend(), wid=wid)
         async with running_api(settings) as base:
-            yield base, workers
+            long_tokens = 1500 if request.param == "tiny" else 300
+            yield Pair(base, workers, workers["wa"].name, long_tokens)
     finally:
         for w in workers.values():  # a killed one is gone from the dict
             await w.stop(0.5)
 
 
-def outcomes(worker: RunningWorker) -> dict[str, float]:
-    registry = worker.wc.metrics.registry
+def outcomes(pair: Pair, wid: str) -> dict[str, float]:
+    registry = pair.workers[wid].wc.metrics.registry
     return {
         o: registry.get_sample_value(
-            "sluice_queue_affinity_pickups_total", {"model": MODEL, "outcome": o}
+            "sluice_queue_affinity_pickups_total", {"model": pair.model, "outcome": o}
         )
         or 0.0
         for o in ("hit", "miss", "after_wait", "busy")
@@ -67,22 +88,24 @@ def outcomes(worker: RunningWorker) -> dict[str, float]:
 
 
 async def chat(
-    client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int = 8
+    client: httpx.AsyncClient, pair: Pair, messages: list[dict[str, str]], max_tokens: int = 8
 ) -> dict[str, Any]:
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    body = {
+        "model": pair.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True,
+    }  # fmt: skip
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
 
-async def turn(
-    client: httpx.AsyncClient, workers: dict[str, RunningWorker], messages: list[dict[str, str]]
-) -> str:
+async def turn(client: httpx.AsyncClient, pair: Pair, messages: list[dict[str, str]]) -> str:
     """One turn of the session; returns the worker that served it, once it has published what
     its cache now holds (the tiny model answers within milliseconds: a client could otherwise
     send the next turn before the publish, which a real prompt's reading leaves ample time for)."""
+    workers = pair.workers
     before = {wid: w.wc.served for wid, w in workers.items()}
-    done = await chat(client, messages)
+    done = await chat(client, pair, messages)
     messages.append({"role": "assistant", "content": done["choices"][0]["message"]["content"]})
     [served] = [wid for wid, w in workers.items() if w.wc.served > before[wid]]
     holdings = workers[served].consumer.worker.holdings
@@ -95,9 +118,9 @@ async def turn(
     return served
 
 
-async def full(redis: aioredis.Redis, wid: str) -> bool:
+async def full(redis: aioredis.Redis, pair: Pair, wid: str) -> bool:
     """Whether the worker has published that it has no free slot."""
-    field = await redis.hget(keys.affinity_holders(MODEL), wid)  # type: ignore[misc]
+    field = await redis.hget(keys.affinity_holders(pair.model), wid)  # type: ignore[misc]
     return bool(field) and bytes(field).startswith(b"0 ")
 
 
@@ -110,52 +133,54 @@ async def every_stream_ended_once(redis: aioredis.Redis, requests: int) -> None:
 
 
 async def session(
-    client: httpx.AsyncClient, workers: dict[str, RunningWorker], turns: int
+    client: httpx.AsyncClient, pair: Pair, turns: int
 ) -> tuple[list[dict[str, str]], str]:
     """A new session's first ``turns`` turns; all must run on one worker, which it returns."""
     messages = [{"role": "system", "content": SYSTEM}]
     served = []
     for i in range(turns):
         messages.append({"role": "user", "content": f"Turn {i}: what next?"})
-        served.append(await turn(client, workers, messages))
+        served.append(await turn(client, pair, messages))
     assert served == [served[0]] * turns  # later turns went where turn 1's prefix is cached
-    assert outcomes(workers[served[0]])["hit"] == turns - 1
+    assert outcomes(pair, served[0])["hit"] == turns - 1
     return messages, served[0]
 
 
-async def test_a_busy_worker_is_not_waited_for(pair: Any, redis: aioredis.Redis) -> None:
-    base, workers = pair
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-        messages, home = await session(client, workers, 3)
+async def test_a_busy_worker_is_not_waited_for(pair: Pair, redis: aioredis.Redis) -> None:
+    workers = pair.workers
+    async with httpx.AsyncClient(base_url=pair.base, timeout=120) as client:
+        messages, home = await session(client, pair, 3)
         other = "wb" if home == "wa" else "wa"
         # Two long answers sharing the session's prefix take both of home's slots...
         long_tasks = [
-            asyncio.create_task(chat(client, [*messages, {"role": "user", "content": ask}], 1500))
+            asyncio.create_task(
+                chat(client, pair, [*messages, {"role": "user", "content": ask}], pair.long_tokens)
+            )
             for ask in ("Now write a long report.", "And a long summary.")
         ]
         while len(workers[home].wc.active) < 2:  # noqa: ASYNC110  # the worker's state
             await asyncio.sleep(0.01)
-        while not await full(redis, home):  # noqa: ASYNC110  # ... and home said so
+        while not await full(redis, pair, home):  # noqa: ASYNC110  # ... and home said so
             await asyncio.sleep(0.01)
         # ... so the next turn goes to the other worker at once, while they still run.
         messages.append({"role": "user", "content": "Turn 3: and then?"})
-        assert await turn(client, workers, messages) == other
+        assert await turn(client, pair, messages) == other
         assert workers[home].wc.active
         await asyncio.gather(*long_tasks)
-    assert outcomes(workers[home])["hit"] == 4  # turns 2 and 3, and the long answers
-    assert outcomes(workers[other])["after_wait"] == 0  # taken at once, not after the wait
+    assert outcomes(pair, home)["hit"] == 4  # turns 2 and 3, and the long answers
+    assert outcomes(pair, other)["after_wait"] == 0  # taken at once, not after the wait
     await every_stream_ended_once(redis, 6)
 
 
 async def test_a_killed_worker_is_waited_for_no_longer_than_the_wait(
-    pair: Any, redis: aioredis.Redis
+    pair: Pair, redis: aioredis.Redis
 ) -> None:
-    base, workers = pair
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-        messages, home = await session(client, workers, 2)
+    workers = pair.workers
+    async with httpx.AsyncClient(base_url=pair.base, timeout=120) as client:
+        messages, home = await session(client, pair, 2)
         other = "wb" if home == "wa" else "wa"
         await workers.pop(home).kill()  # its holdings stay in Redis until they expire
         messages.append({"role": "user", "content": "Turn 2: still there?"})
-        assert await turn(client, workers, messages) == other
-    assert outcomes(workers[other])["after_wait"] == 1
+        assert await turn(client, pair, messages) == other
+    assert outcomes(pair, other)["after_wait"] == 1
     await every_stream_ended_once(redis, 3)

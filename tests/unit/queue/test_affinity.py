@@ -30,9 +30,9 @@ class Node:
     """One worker's two sides of affinity, with a journal it fills as its prefix cache would."""
 
     def __init__(self, fake: fakeredis.FakeAsyncRedis, wid: str, slots: int = 4) -> None:
-        self.wid, self.slots = wid, slots
+        self.wid, self.slots, self.running = wid, slots, 0
         self.journal: deque[tuple[bool, bytes]] = deque()
-        self.holdings = Holdings(fake, MODEL, wid, lambda: self.slots, self.journal)
+        self.holdings = Holdings(fake, MODEL, wid, lambda: (self.slots, self.running), self.journal)
         self.claims = Claims(fake, MODEL, wid)
 
     async def holds(self, tokens: list[int]) -> None:
@@ -101,6 +101,23 @@ async def test_a_tie_goes_to_the_freer_worker_and_a_burst_spreads(
     assert sorted(chosen) == [("a", 8), ("a", 8), ("b", 8), ("b", 8)]  # type: ignore[type-var]
     await enqueue(fake, "s4", session(14))  # every slot reserved: nobody is preferred
     assert await preferred(fake, "s4") is None
+
+
+async def test_a_far_busier_worker_is_passed_over_whatever_it_holds(
+    fake: fakeredis.FakeAsyncRedis,
+) -> None:
+    """SGLang's balance guard: more than 2 jobs beyond the least busy worker and over 1.5x."""
+    a, b = Node(fake, "a", slots=64), Node(fake, "b", slots=64)
+    a.running, b.running = 8, 6  # within the guard: the cache decides
+    await a.holds(session(1, turns=2))
+    await b.holds(SYSTEM)
+    await enqueue(fake, "near", session(1, turns=3))
+    assert await preferred(fake, "near") == ("a", 8 + 6)
+    a.running, b.running = 10, 6  # 4 more, and 1.67x: a is passed over
+    await a.holdings.publish()
+    await b.holdings.publish()
+    await enqueue(fake, "far", session(1, turns=3))
+    assert await preferred(fake, "far") == ("b", 8)
 
 
 async def test_nothing_held_still_spreads_new_prompts(fake: fakeredis.FakeAsyncRedis) -> None:
