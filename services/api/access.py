@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.api.metrics import ApiMetrics, format_of
+from services.api.formats import format_of
+from services.api.metrics import ApiMetrics
 
 __all__ = ["AccessRecord", "Observe", "record"]
 

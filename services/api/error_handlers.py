@@ -2,9 +2,9 @@
 
 Every error a client sees before the headers leaves through here: ``ServiceError`` subclasses
 raised anywhere in a request, FastAPI's validation errors (never its 422 ``detail`` body),
-Starlette's 404/405, and unhandled exceptions. Paths under ``/v1/messages`` get Anthropic's
-envelope (``wire.anthropic_messages.errors``), paths under ``/api/`` Ollama's (``wire.ollama``),
-everything else OpenAI's (``wire.openai_errors``), since each SDK only parses its own.
+Starlette's 404/405, and unhandled exceptions. A path under a wire format's prefix gets that
+format's envelope (``services.api.formats``: Anthropic's under ``/v1/messages``, Ollama's under
+``/api``), everything else OpenAI's (``wire.openai_errors``), since each SDK only parses its own.
 Mid-stream errors are not handled here; after the headers are sent the projector's in-band
 error frame is the only channel.
 """
@@ -24,17 +24,14 @@ from redis.exceptions import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from services.api.wire import anthropic_messages, ollama, openai_errors
+from services.api.formats import owner_of
+from services.api.wire import openai_errors
 from services.redis_oom import OOM_MESSAGE, is_oom
 from shared.errors import InvalidRequest, NotFound, ServiceError, Unavailable
 
 __all__ = ["error_response", "install_error_handlers"]
 
 logger = logging.getLogger(__name__)
-
-
-def _is_anthropic(request: Request) -> bool:
-    return request.url.path.startswith("/v1/messages")
 
 
 def error_response(request: Request, err: ServiceError) -> JSONResponse:
@@ -47,10 +44,8 @@ def error_response(request: Request, err: ServiceError) -> JSONResponse:
     Returns:
         A JSON response with ``Retry-After`` when the error carries ``retry_after``.
     """
-    envelope = anthropic_messages.error_body if _is_anthropic(request) else openai_errors.error_body
-    if request.url.path.startswith("/api/"):
-        envelope = ollama.error_body
-    status, body = envelope(err)
+    owner = owner_of(request.url.path)
+    status, body = (owner.envelope if owner else openai_errors.error_body)(err)
     headers = {}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))

@@ -32,7 +32,7 @@ from shared import keys
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-__all__ = ["CONTENT_TYPE", "ApiMetrics", "format_of"]
+__all__ = ["CONTENT_TYPE", "ApiMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -40,24 +40,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HTTP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 # Entries one XREAD returned: 1 when idle, up to the hub's COUNT under load.
 XREAD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-
-_FORMATS = (
-    ("/v1/chat/completions", "openai_chat"),
-    ("/v1/completions", "openai_completions"),
-    ("/v1/responses", "openai_responses"),
-    ("/v1/messages", "anthropic_messages"),
-    ("/v1/requests", "native"),
-    ("/api/chat", "ollama"),
-    ("/api/generate", "ollama"),
-)
-
-
-def format_of(path: str) -> str:
-    """The wire format a request path speaks (``other`` outside the generation routes)."""
-    for prefix, name in _FORMATS:
-        if path.startswith(prefix):
-            return name
-    return "other"
 
 
 class ApiMetrics:

@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect
 
 from services.api import access
 from services.api.coalesce import Item, fold_deltas
-from services.api.metrics import format_of
+from services.api.formats import format_of
 from services.api.sse_asgi import Ending, SSEResponse
 from services.api.state import AppState
 from services.api.stream_watch import StreamLost

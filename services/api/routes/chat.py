@@ -13,16 +13,17 @@ its own request (``services.api.choices``), merged here into ``choices[i]`` by e
 from __future__ import annotations
 
 import msgspec
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from services.api.auth import authenticate
 from services.api.choices import ChoicesPlan, catch_up_choices, collect_choices, owned_choices
+from services.api.formats import FormatRouter
 from services.api.ownership import REQUESTS, RETRIEVABLE, load_owned
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, count_reads, plan_response, sse_response
 from services.api.submit import new_request_id, submit
-from services.api.wire import openai_chat
+from services.api.wire import openai_chat, openai_errors
 from services.api.wire.choices import ChoiceMerge
 from services.api.wire.common import IGNORED_TOOLS_HEADER, service_error
 from services.api.wire.extra_fields import IGNORED_FIELDS_HEADER
@@ -32,7 +33,7 @@ from shared.jobs import GenerateRequest, choice_id
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = FormatRouter("/v1/chat/completions", "openai_chat", openai_errors.error_body)
 
 _TRUTHY = {"1", "true", "yes", "on"}
 
@@ -71,7 +72,7 @@ async def _completion(
     return Response(body, media_type="application/json", headers=headers)
 
 
-@router.post("/v1/chat/completions")
+@router.post("")
 async def create_chat_completion(request: Request) -> Response:
     """Create a chat completion, streamed (SSE chunks) or not."""
     state = get_state(request)
@@ -98,7 +99,7 @@ async def create_chat_completion(request: Request) -> Response:
     return plan_response(state, plan, headers=headers)
 
 
-@router.get("/v1/chat/completions/{rid}")
+@router.get("/{rid}")
 async def retrieve_chat_completion(rid: str, request: Request) -> Response:
     """The ``chat.completion`` of a stored request (waits for the end if still generating)."""
     state = get_state(request)
@@ -109,7 +110,7 @@ async def retrieve_chat_completion(rid: str, request: Request) -> Response:
     return await _completion(state, request, ctx, {"x-request-id": rid}, rids)
 
 
-@router.get("/v1/chat/completions/{rid}/events")
+@router.get("/{rid}/events")
 async def replay_chat_completion(rid: str, request: Request) -> Response:
     """Re-stream a stored request as chunks, from the start or after ``Last-Event-ID``."""
     state = get_state(request)

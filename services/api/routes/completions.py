@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from services.api.auth import authenticate
 from services.api.choices import ChoicesPlan, collect_choices
+from services.api.formats import FormatRouter
 from services.api.state import AppState, get_state
 from services.api.streaming import collect_events, count_reads, plan_response, sse_response
 from services.api.submit import new_request_id, submit
-from services.api.wire import openai_completions
+from services.api.wire import openai_completions, openai_errors
 from services.api.wire.choices import ChoiceMerge
 from services.api.wire.common import service_error
 from shared.accumulate import fold
@@ -27,10 +28,10 @@ from shared.jobs import choice_id
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = FormatRouter("/v1/completions", "openai_completions", openai_errors.error_body)
 
 
-@router.post("/v1/completions")
+@router.post("")
 async def create_completion(request: Request) -> Response:
     """Create a text completion, streamed (SSE chunks) or not."""
     state = get_state(request)

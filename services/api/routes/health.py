@@ -30,6 +30,12 @@ __all__ = ["router"]
 router = APIRouter()
 
 
+@router.head("/")
+async def probe() -> Response:
+    """Claude Code probes ``HEAD /`` before its first request; any 200 will do."""
+    return Response()
+
+
 @router.get("/healthz")
 async def healthz() -> JSONResponse:
     """The process is up and serving HTTP."""

@@ -12,9 +12,10 @@ created (in any format) as an Anthropic message or stream, and the latter resume
 from __future__ import annotations
 
 import msgspec
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from services.api.auth import authenticate
+from services.api.formats import FormatRouter
 from services.api.ownership import REQUESTS, RETRIEVABLE, Stored, load_owned
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
@@ -28,7 +29,7 @@ from shared.jobs import GenerateRequest, Job
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = FormatRouter("/v1/messages", "anthropic_messages", anthropic_messages.error_body)
 _JSON = msgspec.json.Encoder()
 _PING = anthropic_messages.PING
 
@@ -42,7 +43,7 @@ def _context(state: AppState, job: GenerateRequest) -> anthropic_messages.Contex
     )
 
 
-@router.post("/v1/messages")
+@router.post("")
 async def create_message(request: Request) -> Response:
     """Create a message, streamed as Anthropic SSE when ``stream`` is true."""
     state = get_state(request)
@@ -67,13 +68,7 @@ async def create_message(request: Request) -> Response:
     return Response(_JSON.encode(body), media_type="application/json", headers=headers)
 
 
-@router.head("/")
-async def probe() -> Response:
-    """Claude Code probes ``HEAD /`` before its first request; any 200 will do."""
-    return Response()
-
-
-@router.post("/v1/messages/count_tokens")
+@router.post("/count_tokens")
 async def count_tokens(request: Request) -> Response:
     """Count the prompt tokens a request renders to, with the model's template and tokenizer."""
     state = get_state(request)
@@ -90,7 +85,7 @@ async def _stored(
     return _context(state, await load_owned(state, stored, rid, await authenticate(request)))
 
 
-@router.get("/v1/messages/{rid}")
+@router.get("/{rid}")
 async def retrieve_message(rid: str, request: Request) -> Response:
     """The finished message of a stored request (waits for the end if still generating)."""
     state = get_state(request)
@@ -99,7 +94,7 @@ async def retrieve_message(rid: str, request: Request) -> Response:
     return Response(_JSON.encode(body), media_type="application/json", headers={"request-id": rid})
 
 
-@router.get("/v1/messages/{rid}/events")
+@router.get("/{rid}/events")
 async def replay_message(rid: str, request: Request) -> Response:
     """Stream a stored request as Anthropic SSE, from the start or after ``Last-Event-ID``."""
     state = get_state(request)

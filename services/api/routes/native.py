@@ -10,26 +10,28 @@ after an id. Only the key that created a request may read or cancel it.
 from __future__ import annotations
 
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from services.api.auth import authenticate
 from services.api.choices import owned_choices
+from services.api.formats import FormatRouter
 from services.api.ownership import REQUESTS, load_owned
 from services.api.state import get_state
 from services.api.stream_ids import parse_id
 from services.api.streaming import sse_response
 from services.api.submit import cancel, new_request_id, submit
+from services.api.wire import openai_errors
 from services.api.wire.native import NativeProjector, parse_job
 from shared.errors import InvalidRequest
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = FormatRouter("/v1/requests", "native", openai_errors.error_body)
 _JSON = msgspec.json.Encoder()
 
 
-@router.post("/v1/requests")
+@router.post("")
 async def create_request(request: Request) -> Response:
     """Submit a canonical job; returns ``{"id", "object", "model", "created"}``."""
     state = get_state(request)
@@ -49,7 +51,7 @@ def _resume_id(request: Request) -> str:
     return after
 
 
-@router.get("/v1/requests/{rid}/events")
+@router.get("/{rid}/events")
 async def stream_events(rid: str, request: Request) -> Response:
     """Stream the request's events as SSE from the start, or after ``Last-Event-ID``/``after``."""
     state = get_state(request)
@@ -57,7 +59,7 @@ async def stream_events(rid: str, request: Request) -> Response:
     return sse_response(state, request, rid, NativeProjector(), after=_resume_id(request))
 
 
-@router.post("/v1/requests/{rid}/cancel")
+@router.post("/{rid}/cancel")
 async def cancel_request(rid: str, request: Request) -> Response:
     """Ask the worker to stop; the stream then ends with ``Finish(cancelled)`` (every choice's,
     for a request with ``n`` > 1)."""

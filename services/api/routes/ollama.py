@@ -17,9 +17,10 @@ from __future__ import annotations
 import time
 
 import msgspec
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from services.api.auth import authenticate
+from services.api.formats import FormatRouter
 from services.api.ownership import REQUESTS, RETRIEVABLE, Stored, load_owned
 from services.api.replay import catch_up
 from services.api.state import AppState, get_state
@@ -36,7 +37,7 @@ from shared.model_card import ModelCard
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = FormatRouter("/api", "ollama", ollama.error_body)
 _JSON = msgspec.json.Encoder()
 
 
@@ -128,13 +129,13 @@ async def _body(
     return _json(body, headers)
 
 
-@router.post("/api/chat")
+@router.post("/chat")
 async def chat(request: Request) -> Response:
     """Chat, streamed as NDJSON unless ``stream`` is false."""
     return await _generate(request, "chat")
 
 
-@router.post("/api/generate")
+@router.post("/generate")
 async def generate(request: Request) -> Response:
     """Complete a prompt (rendered with the chat template), streamed unless ``stream`` is false."""
     return await _generate(request, "generate")
@@ -145,19 +146,19 @@ async def _live_cards(state: AppState) -> list[ModelCard]:
     return await state.cards.cards(sorted(live))
 
 
-@router.get("/api/tags")
+@router.get("/tags")
 async def tags(request: Request) -> Response:
     """The models a live worker serves."""
     return _json(ollama.tags_body(await _live_cards(get_state(request))))
 
 
-@router.get("/api/ps")
+@router.get("/ps")
 async def ps(request: Request) -> Response:
     """The loaded models: every served model stays loaded."""
     return _json(ollama.ps_body(await _live_cards(get_state(request))))
 
 
-@router.get("/api/version")
+@router.get("/version")
 async def version() -> Response:
     """The Ollama API version sluice speaks."""
     return _json({"version": ollama.VERSION})
@@ -175,7 +176,7 @@ def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
     return InvalidRequest(str(exc), param=error_location(str(exc))[1])
 
 
-@router.post("/api/show")
+@router.post("/show")
 async def show(request: Request) -> Response:
     """One served model's details."""
     req = decode_body(_SHOW, await request.body(), _invalid)
@@ -210,25 +211,25 @@ async def _replay(request: Request, rid: str, mode: ollama.types.Mode) -> Respon
     return sse_response(state, request, rid, stream, after=after, headers=headers)
 
 
-@router.get("/api/chat/{rid}")
+@router.get("/chat/{rid}")
 async def retrieve_chat(rid: str, request: Request) -> Response:
     """A stored request as one ``/api/chat`` body (waits for the end if still generating)."""
     return await _retrieve(request, rid, "chat")
 
 
-@router.get("/api/generate/{rid}")
+@router.get("/generate/{rid}")
 async def retrieve_generate(rid: str, request: Request) -> Response:
     """A stored request as one ``/api/generate`` body."""
     return await _retrieve(request, rid, "generate")
 
 
-@router.get("/api/chat/{rid}/events")
+@router.get("/chat/{rid}/events")
 async def replay_chat(rid: str, request: Request) -> Response:
     """A stored request re-streamed as ``/api/chat`` NDJSON, or resumed."""
     return await _replay(request, rid, "chat")
 
 
-@router.get("/api/generate/{rid}/events")
+@router.get("/generate/{rid}/events")
 async def replay_generate(rid: str, request: Request) -> Response:
     """A stored request re-streamed as ``/api/generate`` NDJSON, or resumed."""
     return await _replay(request, rid, "generate")

@@ -12,15 +12,16 @@ import contextlib
 from typing import Literal
 
 import msgspec
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from services.api import responses_store
 from services.api.auth import authenticate
+from services.api.formats import FormatRouter
 from services.api.ownership import load_owned
 from services.api.state import get_state
 from services.api.streaming import collect_events, sse_response, tail
 from services.api.submit import cancel, new_request_id, submit
-from services.api.wire import openai_responses
+from services.api.wire import openai_errors, openai_responses
 from services.api.wire.common import service_error
 from services.api.wire.extra_fields import IGNORED_FIELDS_HEADER
 from shared.accumulate import fold
@@ -28,7 +29,7 @@ from shared.errors import InvalidRequest
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = FormatRouter("/v1/responses", "openai_responses", openai_errors.error_body)
 
 _ENCRYPTED = "reasoning.encrypted_content"  # include value: reasoning items carry a token
 _CANCEL_WAIT_S = 5.0  # how long POST .../cancel waits for the worker to acknowledge
@@ -42,7 +43,7 @@ def _json(obj: object, rid: str, headers: dict[str, str] | None = None) -> Respo
     )
 
 
-@router.post("/v1/responses")
+@router.post("")
 async def create_response(request: Request) -> Response:
     """Create a response (OpenAI Responses wire format)."""
     state = get_state(request)
@@ -89,7 +90,7 @@ async def create_response(request: Request) -> Response:
     return _json(body, rid, headers)
 
 
-@router.post("/v1/responses/input_tokens")
+@router.post("/input_tokens")
 async def count_input_tokens(request: Request) -> Response:
     """Count the input tokens a create request would use, with the model's template."""
     state = get_state(request)
@@ -111,7 +112,7 @@ async def count_input_tokens(request: Request) -> Response:
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-@router.get("/v1/responses/{response_id}/input_items")
+@router.get("/{response_id}/input_items")
 async def list_input_items(
     request: Request,
     response_id: str,
@@ -127,7 +128,7 @@ async def list_input_items(
     return _json(body, response_id)
 
 
-@router.get("/v1/responses/{response_id}")
+@router.get("/{response_id}")
 async def retrieve_response(
     request: Request, response_id: str, stream: bool = False, starting_after: int = -1
 ) -> Response:
@@ -150,7 +151,7 @@ async def retrieve_response(
     return _json(await responses_store.current(state, record), response_id)
 
 
-@router.delete("/v1/responses/{response_id}")
+@router.delete("/{response_id}")
 async def delete_response(request: Request, response_id: str) -> Response:
     """Delete a stored response."""
     state = get_state(request)
@@ -160,7 +161,7 @@ async def delete_response(request: Request, response_id: str) -> Response:
     return _json({"id": response_id, "object": "response", "deleted": True}, response_id)
 
 
-@router.post("/v1/responses/{response_id}/cancel")
+@router.post("/{response_id}/cancel")
 async def cancel_response(request: Request, response_id: str) -> Response:
     """Cancel an in-progress response; returns it once the worker has stopped (or as it is)."""
     state = get_state(request)
