@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,13 @@ async def bench(args: argparse.Namespace) -> None:
                         # each run in order (off, on, off, on ..): a neighbour's burst shows
                         "off_runs": [round(r, 1) for r in rates["off"]],
                         "on_runs": [round(r, 1) for r in rates["on"]],
+                        # each repeat's on/off pair ran back to back: a burst spoils one pair
+                        "median_pair_speedup": round(
+                            statistics.median(
+                                n / f for f, n in zip(rates["off"], rates["on"], strict=True)
+                            ),
+                            2,
+                        ),
                         "same_output": outputs["on"] == outputs["off"],
                         "drafted": drafted,
                         "accepted": accepted,
