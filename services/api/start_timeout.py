@@ -1,4 +1,7 @@
-"""The API-side start timeout: end a request no worker started within ``start_timeout_s``.
+"""The API-side start timeout: end a request no worker started by its start deadline.
+
+Each request carries its deadline, ``start_by`` in its hash: its creation time plus the
+``start_timeout_s`` of the API that admitted it, so every replica ends it at the same moment.
 
 A crashed or absent worker leaves a queued job untouched for as long as arq's keys live (arq
 #343, #407), so a client would wait on a silent stream forever. The streaming pipeline therefore
@@ -46,24 +49,32 @@ logger = logging.getLogger(__name__)
 async def start_deadline(redis: aioredis.Redis, rid: str, settings: Settings) -> float:
     """The ``time.monotonic()`` by which a request's first event must have arrived.
 
-    Measured from the request's ``created`` time in its hash, so a client that reconnects does
-    not restart the clock; a request without one counts from now.
+    The deadline is the request's own ``start_by`` (unix seconds, set at admission from the
+    admitting API's ``start_timeout_s``), so a client that reconnects, or reads through another
+    replica with another setting, waits for the same moment. A request stored without one
+    counts ``start_timeout_s`` from its ``created`` time, or from now.
 
     Args:
         redis: the command client.
         rid: the request id.
-        settings: the process settings (``start_timeout_s``).
+        settings: the process settings (``start_timeout_s``, for requests without ``start_by``).
 
     Returns:
         The deadline on the monotonic clock.
     """
-    raw = await redis.hget(keys.request(rid), "created")  # type: ignore[misc]
-    now = time.monotonic()
+    created, start_by = await redis.hmget(keys.request(rid), ["created", "start_by"])  # type: ignore[misc]
+    return time.monotonic() + (_start_by(created, start_by, settings) - time.time())
+
+
+def _start_by(created: bytes | None, start_by: bytes | None, settings: Settings) -> float:
+    """A request's start deadline in unix seconds, from its hash's ``start_by``/``created``."""
+    now = time.time()
     try:
-        age = max(0.0, time.time() - float(raw)) if raw is not None else 0.0
+        if start_by is not None:
+            return float(start_by)
+        return (float(created) if created is not None else now) + settings.start_timeout_s
     except ValueError:
-        age = 0.0
-    return now + settings.start_timeout_s - age
+        return now + settings.start_timeout_s
 
 
 async def claim_unstarted(
@@ -82,9 +93,11 @@ async def claim_unstarted(
         subscriber through the stream like any other), ``STARTED`` or ``HELD`` when a worker got
         there first, ``GONE`` when the request no longer exists.
     """
+    created, start_by = await redis.hmget(keys.request(rid), ["created", "start_by"])  # type: ignore[misc]
+    waited = round(_start_by(created, start_by, settings) - float(created or time.time()), 1)
     error = Error(
         kind="overloaded",
-        message=f"no worker started this request within {settings.start_timeout_s:g}s",
+        message=f"no worker started this request within {waited:g}s",
         retryable=True,
     )
     # The lease outlives the stream's readers: a worker that read an empty history just before
@@ -98,7 +111,7 @@ async def claim_unstarted(
         unstored_retention_s=settings.unstored_retention_s,
     )
     if result == Claim.TIMED_OUT:
-        logger.warning("%s: no worker started it within %gs", rid, settings.start_timeout_s)
+        logger.warning("%s: no worker started it within %gs", rid, waited)
         await _dequeue(redis, queue or Queue(redis), rid)
     return result
 
@@ -116,11 +129,14 @@ async def _dequeue(redis: aioredis.Redis, queue: Queue, rid: str) -> None:
 async def sweep_unstarted(
     redis: aioredis.Redis, settings: Settings, *, queue: Queue | None = None
 ) -> list[str]:
-    """Time out every in-flight request older than ``start_timeout_s`` that no worker started.
+    """Time out every in-flight request past its own start deadline that no worker started.
 
-    Candidates come from ``sluice:inflight:{model}`` (scored by creation time, ms); each is then
-    settled by ``claim_unstarted``, so a started or leased request is left alone and several API
-    processes sweeping at once still write at most one Error.
+    Candidates come from ``sluice:inflight:{model}``; the started ones (the usual case) are
+    dropped on their stream's length, the rest compared with their ``start_by`` (each
+    request's own deadline, so a replica with a longer ``start_timeout_s`` still ends a request
+    admitted with a shorter one on time), and each one past it is settled by
+    ``claim_unstarted``: a started or leased request is left alone, and several API processes
+    sweeping at once still write at most one Error.
 
     Args:
         redis: the command client (the events Redis).
@@ -130,25 +146,28 @@ async def sweep_unstarted(
     Returns:
         The request ids this call timed out.
     """
-    oldest = (time.time() - settings.start_timeout_s) * 1000
+    now = time.time()
     timed_out: list[str] = []
     for raw_model in await redis.smembers(keys.models()):  # type: ignore[misc]
-        members = await redis.zrangebyscore(keys.inflight(raw_model.decode()), "-inf", oldest)
+        model = raw_model.decode()
+        members = await redis.zrange(keys.inflight(model), 0, -1)
         if not members:
             continue
-        # one round trip to drop the started ones (the usual case for old in-flight entries)
+        # one round trip for every candidate's stream length and deadline
         async with redis.pipeline(transaction=False) as pipe:
             for rid in members:
                 pipe.xlen(keys.events(rid.decode()))
-            lengths = await pipe.execute()
-        for rid, length in zip(members, lengths, strict=True):
-            if length:
+                pipe.hmget(keys.request(rid.decode()), ["created", "start_by"])
+            replies = await pipe.execute()
+        for i, rid in enumerate(members):
+            length, (created, start_by) = replies[2 * i], replies[2 * i + 1]
+            if length or (created is not None and now < _start_by(created, start_by, settings)):
                 continue
             result = await claim_unstarted(redis, rid.decode(), settings, queue=queue)
             if result == Claim.TIMED_OUT:
                 timed_out.append(rid.decode())
             elif result == Claim.GONE:  # a leftover entry: its request expired
-                await redis.zrem(keys.inflight(raw_model.decode()), rid)
+                await redis.zrem(keys.inflight(model), rid)
     return timed_out
 
 

@@ -256,6 +256,9 @@ async def _store(state: AppState, jobs: list[Job]) -> None:
                     "owner": job.owner,
                     "model": job.model,
                     "created": repr(job.created),
+                    # The start deadline is the request's own, fixed when it was admitted: every
+                    # API replica and sweep ends it at the same moment, whatever their settings.
+                    "start_by": repr(job.created + state.settings.start_timeout_s),
                     "origin": job.origin,
                     "job": encode_job(job),
                     # read by the start-timeout script, which ends requests it knows only by id

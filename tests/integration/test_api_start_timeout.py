@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from services.api.start_timeout import claim_unstarted, sweep_unstarted
+from services.api.start_timeout import claim_unstarted, start_deadline, sweep_unstarted
 from services.worker.job_function import WorkerContext, run_job
 from services.worker.scripted import parse_spec
 from shared import keys
@@ -122,11 +122,13 @@ async def test_a_leased_request_is_left_to_its_worker(
     assert await redis.xlen(keys.events(job.request_id)) == 0
 
 
-async def store_job(redis: aioredis.Redis, rid: str) -> Job:
+async def store_job(
+    redis: aioredis.Redis, rid: str, *, age_s: float = 0.0, start_by: float | None = None
+) -> Job:
     job = Job(
         request_id=rid,
         model="tiny-test",
-        created=time.time(),
+        created=time.time() - age_s,
         prompt_token_ids=[1, 2, 3],
         prompt_text="",
     )
@@ -137,6 +139,7 @@ async def store_job(redis: aioredis.Redis, rid: str) -> Job:
             "model": "tiny-test",
             "created": repr(job.created),
             "job": encode_job(job),
+            **({} if start_by is None else {"start_by": repr(start_by)}),
         },
     )
     return job
@@ -205,8 +208,8 @@ async def test_sweep_times_out_unwatched_requests_only(
 ) -> None:
     old = (time.time() - 60) * 1000
     await redis.sadd(keys.models(), "tiny-test")  # type: ignore[misc]
-    waiting = await store_job(redis, "req_waiting")
-    started = await store_job(redis, "req_running")
+    waiting = await store_job(redis, "req_waiting", age_s=60)
+    started = await store_job(redis, "req_running", age_s=60)
     await run_job(worker_context(settings, worker_redis, "w-sweep"), started)
     young = await store_job(redis, "req_young")
     await redis.zadd(
@@ -224,6 +227,38 @@ async def test_sweep_times_out_unwatched_requests_only(
     assert await redis.exists(keys.events("req_expired")) == 0  # no hash: nothing written
     assert await redis.zscore(keys.inflight("tiny-test"), "req_expired") is None
     assert await sweep_unstarted(redis, settings) == []  # idempotent
+
+
+async def test_the_start_deadline_is_the_request_s_own(
+    redis: aioredis.Redis, settings: Settings
+) -> None:
+    """A request's ``start_by`` rules, not the sweeping replica's ``start_timeout_s``: a replica
+    set to ten minutes still ends a request admitted with a short deadline, and one set to 0.6 s
+    leaves alone a request admitted with a long one."""
+    await redis.sadd(keys.models(), "tiny-test")  # type: ignore[misc]
+    now = time.time()
+    short = await store_job(redis, "req_short", age_s=2, start_by=now - 1)
+    long = await store_job(redis, "req_long", age_s=60, start_by=now + 600)
+    await redis.zadd(
+        keys.inflight("tiny-test"), {r.request_id: r.created * 1000 for r in (short, long)}
+    )
+
+    patient = msgspec.structs.replace(settings, start_timeout_s=600.0)
+    assert await sweep_unstarted(redis, patient) == [short.request_id]
+    events = await stored(redis, short.request_id)
+    assert is_timeout(events) and "within 1s" in events[0].message
+    assert await sweep_unstarted(redis, settings) == []  # 0.6 s here, yet req_long has 10 min
+    deadline = await start_deadline(redis, long.request_id, settings)
+    assert 590 < deadline - time.monotonic() <= 600
+
+
+async def test_admission_stores_the_admitting_api_s_deadline(
+    api: str, redis: aioredis.Redis, settings: Settings, tiny_model: ModelCard
+) -> None:
+    async with httpx.AsyncClient(base_url=api, timeout=10) as client:
+        rid = await create(client)
+    created, start_by = await redis.hmget(keys.request(rid), ["created", "start_by"])  # type: ignore[misc]
+    assert float(start_by) - float(created) == pytest.approx(settings.start_timeout_s)
 
 
 async def test_nobody_watching_still_times_out(
