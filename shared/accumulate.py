@@ -41,6 +41,7 @@ class ReasoningBlock(msgspec.Struct, kw_only=True):
 
     text: str = ""
     signature: str | None = None
+    closed: bool = False  # its ReasoningEnd arrived (the model wrote its close marker)
 
 
 class ToolCallBlock(msgspec.Struct, kw_only=True):
@@ -110,6 +111,7 @@ def fold(events: Iterable[AnyEvent]) -> Completion:  # noqa: C901 - one flat cas
             case ReasoningEnd():
                 if isinstance(last, ReasoningBlock) and reasoning_open:
                     last.signature = event.signature
+                    last.closed = True
                 reasoning_open = False
             case ToolCallStart():
                 out.blocks.append(

@@ -149,6 +149,10 @@ class ReasoningControl(msgspec.Struct, frozen=True, kw_only=True):
     budget_tokens: int | None = None
     visible: bool = True
     explicit: bool = False
+    # Chat's ``reasoning_format: "inline"``: the reasoning is shown inside the answer's content
+    # between the model's own markers instead of in a field of its own (a projection choice,
+    # kept on the job so a replay shows it the same way).
+    inline: bool = False
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -332,3 +332,28 @@ async def test_resume_after_last_event_id_continues_without_repeating(
         for _, d in first
         if '"type":"function"' in d
     ]
+
+
+async def test_reasoning_format_inline_through_the_sdk(
+    client: openai.AsyncOpenAI, redis: aioredis.Redis
+) -> None:
+    """``reasoning_format: "inline"``: the reasoning is in ``content`` between the model's own
+    markers (from its card), streamed, not streamed and replayed alike, and in no other field."""
+    body = {"reasoning_format": "inline"}
+    done = await client.chat.completions.create(**request("reasoning"), extra_body=body)  # type: ignore[call-overload]
+    events = await stream_events(redis, done.id)
+    folded_events = fold(events)
+    think = f"<think>{folded_events.reasoning}</think>"
+    assert done.choices[0].message.content == think + folded_events.text
+    assert summary(done)["reasoning_content"] is None
+
+    raw = await client.chat.completions.create(**request("reasoning", stream=True), extra_body=body)  # type: ignore[call-overload]
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    async for chunk in raw:
+        state.handle_chunk(chunk)
+    streamed = state.get_final_completion()
+    assert streamed.choices[0].message.content == done.choices[0].message.content
+    assert summary(streamed)["reasoning_content"] is None
+
+    replayed = await client.chat.completions.retrieve(done.id)
+    assert replayed.choices[0].message.content == done.choices[0].message.content

@@ -29,6 +29,7 @@ from services.api.wire.common import IGNORED_TOOLS_HEADER, service_error
 from services.api.wire.extra_fields import IGNORED_FIELDS_HEADER
 from services.api.wire.openai_chat.projector import usage_chunk
 from shared.accumulate import fold
+from shared.errors import ModelNotFound
 from shared.jobs import GenerateRequest, choice_id
 
 __all__ = ["router"]
@@ -38,7 +39,9 @@ router = FormatRouter("/v1/chat/completions", "openai_chat", openai_errors.error
 _TRUTHY = {"1", "true", "yes", "on"}
 
 
-def _context(state: AppState, job: GenerateRequest, *, include_usage: bool) -> openai_chat.Context:
+async def _context(
+    state: AppState, job: GenerateRequest, *, include_usage: bool
+) -> openai_chat.Context:
     return openai_chat.Context(
         id=job.request_id,
         created=int(job.created),
@@ -46,8 +49,22 @@ def _context(state: AppState, job: GenerateRequest, *, include_usage: bool) -> o
         include_usage=include_usage,
         include_reasoning=job.reasoning.visible,
         reasoning_field=state.settings.chat_reasoning_field,
+        reasoning_markers=await _inline_markers(state, job),
         logprobs=job.sampling.logprobs,
     )
+
+
+async def _inline_markers(state: AppState, job: GenerateRequest) -> tuple[str, str] | None:
+    """The model's reasoning markers for ``reasoning_format: "inline"``: found in its tokenizer
+    like the split itself. A model without them, or no longer served when a stored request is
+    replayed, shows its reasoning in the reasoning field instead."""
+    if not job.reasoning.inline:
+        return None
+    try:
+        markers = (await state.cards.get(job.model)).card.reasoning
+    except ModelNotFound:
+        return None
+    return None if markers is None else (markers.open, markers.close)
 
 
 def _merge(ctx: openai_chat.Context, n: int) -> ChoiceMerge:
@@ -82,7 +99,7 @@ async def create_chat_completion(request: Request) -> Response:
         include_reasoning_header=request.headers.get("x-include-reasoning", "").lower() in _TRUTHY,
     )
     job = await submit(state, parsed.job, owner=await authenticate(request))
-    ctx = _context(state, job, include_usage=parsed.options.include_usage)
+    ctx = await _context(state, job, include_usage=parsed.options.include_usage)
     headers = {"x-request-id": job.request_id}
     if parsed.ignored_tools:
         headers[IGNORED_TOOLS_HEADER] = ",".join(parsed.ignored_tools)
@@ -105,7 +122,7 @@ async def retrieve_chat_completion(rid: str, request: Request) -> Response:
     state = get_state(request)
     owner = await authenticate(request)
     job = await load_owned(state, RETRIEVABLE, rid, owner)
-    ctx = _context(state, job, include_usage=True)
+    ctx = await _context(state, job, include_usage=True)
     rids = await owned_choices(state, job, owner) if job.choice == 0 else [rid]
     return await _completion(state, request, ctx, {"x-request-id": rid}, rids)
 
@@ -117,7 +134,7 @@ async def replay_chat_completion(rid: str, request: Request) -> Response:
     owner = await authenticate(request)
     job = await load_owned(state, REQUESTS, rid, owner)
     usage = request.query_params.get("include_usage", "").lower() in _TRUTHY
-    ctx = _context(state, job, include_usage=usage)
+    ctx = await _context(state, job, include_usage=usage)
     headers = {"x-request-id": rid}
     if job.n > 1 and job.choice == 0:
         rids = await owned_choices(state, job, owner)

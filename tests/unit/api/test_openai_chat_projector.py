@@ -29,6 +29,7 @@ from shared.events import (
     Error,
     ErrorKind,
     Finish,
+    ReasoningEnd,
     Start,
     TextDelta,
     TokenLogprob,
@@ -172,6 +173,45 @@ def test_reasoning_only_when_opted_in_under_the_configured_field(
     assert {k: as_json.get(k) for k in keys} == dict.fromkeys(keys, "The user greets me.")
     hidden_message = json.loads(msgspec.json.encode(render(fold(events), CTX).choices[0].message))
     assert "reasoning_content" not in hidden_message and "reasoning" not in hidden_message
+
+
+INLINE = msgspec.structs.replace(
+    CTX, include_reasoning=True, reasoning_markers=("<think>", "</think>")
+)
+
+
+def streamed_content(events: list[AnyEvent], ctx: ChatContext) -> str:
+    return "".join(str(d.get("content") or "") for d in deltas(project(events, ctx)))
+
+
+@pytest.mark.parametrize(
+    ("scenario", "content"),
+    [
+        ("reasoning", "<think>The user greets me.</think>Hi there."),
+        ("reasoning_tool_call", "<think>Need the weather.</think>"),
+        ("text", None),  # no reasoning: the content is the answer alone, as without inline
+    ],
+)
+def test_inline_reasoning_sits_in_content_between_the_model_s_markers(
+    scenario: str, content: str | None
+) -> None:
+    """reasoning_format "inline": streamed and rendered alike, no reasoning field at all."""
+    events = SCENARIOS[scenario]()
+    expected = content if content is not None else fold(events).text
+    assert streamed_content(events, INLINE) == expected
+    message = json.loads(msgspec.json.encode(render(fold(events), INLINE).choices[0].message))
+    assert (message["content"] or "") == expected
+    assert "reasoning_content" not in message and "reasoning" not in message
+    shown = deltas(project(events, INLINE))
+    assert all("reasoning_content" not in d and "reasoning" not in d for d in shown)
+
+
+def test_inline_reasoning_cut_short_has_no_close_marker() -> None:
+    """A block cut by max_tokens ends as the model left it: open marker, no close."""
+    events = [e for e in SCENARIOS["reasoning"]() if not isinstance(e, ReasoningEnd | TextDelta)]
+    events[-1] = Finish(reason="max_tokens")
+    assert streamed_content(events, INLINE) == "<think>The user greets me."
+    assert render(fold(events), INLINE).choices[0].message.content == "<think>The user greets me."
 
 
 def test_mid_stream_error_is_an_error_object_then_done() -> None:

@@ -265,3 +265,17 @@ def test_only_an_explicit_store_false_makes_a_chat_request_unstored(
     # OpenAI defaults store to false, but sluice's chat answers are retrievable by id unless
     # the client opts out: the README promises it.
     assert parse({} if store is None else {"store": store}).job.store is kept
+
+
+@pytest.mark.parametrize(("value", "inline"), [("inline", True), ("none", True), ("auto", False)])
+def test_reasoning_format_inline_shows_reasoning_in_content(value: str, inline: bool) -> None:
+    """llama.cpp's "none" is the same raw, inline form; "inline" also makes reasoning visible
+    (it is shown, only elsewhere), and is kept on the job so a replay shows it the same way."""
+    parsed = parse({"reasoning_format": value})
+    assert parsed.job.reasoning.inline is inline
+    assert parsed.options.include_reasoning is inline and parsed.job.reasoning.visible is inline
+    assert "reasoning_format" not in parsed.ignored_fields
+
+
+def test_an_unknown_reasoning_format_is_refused() -> None:
+    assert "inline" in rejects({"reasoning_format": "raw"}, "reasoning_format").message

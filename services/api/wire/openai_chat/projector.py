@@ -79,6 +79,7 @@ class Projector:
         self._tool_calls = False
         self._usage: Usage | None = None
         self._closed = False
+        self._inline_open = False  # an inline reasoning block's open marker went out
 
     def feed(self, event: AnyEvent) -> list[Frame]:
         """Project one event (separator whitespace dropped first, as ``fold`` drops it).
@@ -101,6 +102,9 @@ class Projector:
             The SSE frames to send (possibly none).
         """
         match event:
+            case ReasoningEnd() if self._inline_open and self._ctx.reasoning_markers:
+                self._inline_open = False
+                return [self._chunk(Delta(content=self._ctx.reasoning_markers[1]))]
             case Start() | ReasoningEnd() | ToolCallEnd():
                 return []
             case TextDelta():
@@ -111,6 +115,10 @@ class Projector:
             case ReasoningDelta():
                 if not self._ctx.include_reasoning:
                     return []
+                if (markers := self._ctx.reasoning_markers) is not None:
+                    opening = "" if self._inline_open else markers[0]
+                    self._inline_open = True
+                    return [self._chunk(Delta(content=opening + event.text))]
                 return [self._chunk(_reasoning_delta(event.text, self._ctx.reasoning_field))]
             case ToolCallStart():
                 self._tool_calls = True

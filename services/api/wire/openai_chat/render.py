@@ -25,7 +25,7 @@ from services.api.wire.openai_chat.types import (
     ToolCallOut,
     TopLogprobOut,
 )
-from shared.accumulate import Completion, TextBlock
+from shared.accumulate import Completion, ReasoningBlock, TextBlock
 from shared.events import Finish, FinishReason, TokenLogprob, Usage
 
 __all__ = ["finish_reason", "logprobs_out", "render", "render_choices", "usage_out"]
@@ -128,6 +128,18 @@ def render_choices(completions: list[Completion], ctx: Context) -> ChatCompletio
     )
 
 
+def _inline(completion: Completion, markers: tuple[str, str]) -> str:
+    """The content with each reasoning block between the model's markers, in stream order (a
+    block cut short, e.g. by ``max_tokens``, has no close marker, as the model wrote it)."""
+    open_, close = markers
+    parts = [
+        f"{open_}{b.text}{close if b.closed else ''}" if isinstance(b, ReasoningBlock) else b.text
+        for b in completion.blocks
+        if isinstance(b, ReasoningBlock | TextBlock)
+    ]
+    return "".join(parts)
+
+
 def _choice(completion: Completion, ctx: Context, index: int) -> Choice:
     calls = [
         ToolCallOut(id=c.call_id, function=FunctionOut(name=c.name, arguments=c.arguments))
@@ -135,6 +147,8 @@ def _choice(completion: Completion, ctx: Context, index: int) -> Choice:
     ]
     text = completion.text
     reasoning = completion.reasoning if ctx.include_reasoning else ""
+    if ctx.reasoning_markers is not None and reasoning:
+        text, reasoning = _inline(completion, ctx.reasoning_markers), ""
     field = ctx.reasoning_field
     message = ResponseMessage(
         # content is null (not "") when the turn is only tool calls, as OpenAI sends it

@@ -107,6 +107,7 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     include_reasoning: bool | None = None
+    reasoning_format: str | None = None  # "inline" (llama.cpp's "none"): reasoning in content
     chat_template_kwargs: JsonObject | None = None
     ignore_eos: bool | None = None
     min_tokens: WireInt | None = None
@@ -168,7 +169,8 @@ def parse_request(
     req = decode_body(_DECODER, body, _invalid)
     ignored_fields = refuse(extra_fields(body, ChatRequest), _REFUSED)
     _check_unsupported(req)
-    include_reasoning = bool(req.include_reasoning) or include_reasoning_header
+    inline = _inline(req.reasoning_format)
+    include_reasoning = bool(req.include_reasoning) or include_reasoning_header or inline
     kwargs = dict(req.chat_template_kwargs or {})
     tools, ignored = parse_tools(req.tools)
     tool_choice = parse_tool_choice(req.tool_choice, tools, ignored)
@@ -187,7 +189,7 @@ def parse_request(
         ignore_eos=bool(req.ignore_eos),
         stop=_stop(req.stop),
         chat_template_kwargs=kwargs,
-        reasoning=_reasoning(req.reasoning_effort, include_reasoning, kwargs),
+        reasoning=_reasoning(req.reasoning_effort, include_reasoning, kwargs, inline=inline),
         constraint=_constraint(req),
         user=req.user,
         metadata=dict(req.metadata or {}),
@@ -331,11 +333,24 @@ def _stop(raw: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def _reasoning(effort: str | None, visible: bool, kwargs: JsonObject) -> ReasoningControl:
+def _reasoning(
+    effort: str | None, visible: bool, kwargs: JsonObject, *, inline: bool
+) -> ReasoningControl:
     mapped = reasoning_effort(effort, "reasoning_effort")
     explicit = effort is not None or any(k in kwargs for k in _TEMPLATE_THINKING_KEYS)
-    return ReasoningControl(
-        effort=mapped,
-        visible=visible,
-        explicit=explicit,
-    )
+    return ReasoningControl(effort=mapped, visible=visible, explicit=explicit, inline=inline)
+
+
+# reasoning_format values: llama.cpp's server names the raw, inline form "none" and its parsed
+# forms "deepseek", "deepseek-legacy" and "auto"; "parsed" is the plain word for the default.
+_INLINE_FORMATS = {"inline", "none"}
+_PARSED_FORMATS = {"parsed", "auto", "deepseek", "deepseek-legacy"}
+
+
+def _inline(reasoning_format: str | None) -> bool:
+    if reasoning_format is None or reasoning_format in _PARSED_FORMATS:
+        return False
+    if reasoning_format in _INLINE_FORMATS:
+        return True
+    known = ", ".join(sorted(_INLINE_FORMATS | _PARSED_FORMATS))
+    raise InvalidRequest(f"reasoning_format must be one of {known}", param="reasoning_format")

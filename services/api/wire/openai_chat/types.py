@@ -188,6 +188,9 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False
     include_reasoning: bool = False
     reasoning_field: ReasoningField = "reasoning_content"
+    # reasoning_format "inline": the model's open/close markers; reasoning then goes into
+    # ``content`` between them, as the model wrote it, instead of into ``reasoning_field``
+    reasoning_markers: tuple[str, str] | None = None
     logprobs: bool = False
     index: int = 0  # the choice a projector streams (``choices[].index``)
     n: int = 1  # choices in the request: with more than one, the usage chunk is the merge's
