@@ -262,3 +262,33 @@ def test_replayed_custom_namespaced_and_search_items_become_turns() -> None:
     assert results[2][:2] == ("c3", "tool_search") and json.loads(results[2][2]) == [loaded]
     # A tool the client's search loaded is callable from then on.
     assert "calendar" in {t.name for t in job.tools}
+
+
+def test_function_tools_are_strict_unless_the_client_says_false() -> None:
+    """The Responses API's default for ``strict`` is true: an omitted (or null) ``strict``
+    constrains the arguments and is echoed as true; an explicit false stays false."""
+    params = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools: list[dict[str, Any]] = [
+        {"type": "function", "name": "omitted", "parameters": params},
+        {"type": "function", "name": "null", "parameters": params, "strict": None},
+        {"type": "function", "name": "loose", "parameters": params, "strict": False},
+        {
+            "type": "namespace",
+            "name": "ns",
+            "tools": [{"type": "function", "name": "inner", "parameters": params}],
+        },
+    ]
+    req = parse_request(json.dumps({"model": "m", "input": "hi", "tools": tools}).encode())
+    job = build_job(req, request_id="resp_1", conversation=input_messages(req), owner="", created=0)
+    assert {t.name: t.strict for t in job.tools} == {
+        "omitted": True,
+        "null": True,
+        "loose": False,
+        "ns.inner": True,
+    }
+    echo = json.loads(msgspec.json.encode(skeleton(req, "resp_1", 0)))["tools"]
+    assert [t.get("strict") for t in echo[:3]] == [True, True, False]
+    assert echo[3]["tools"][0]["strict"] is True
+    plain = parse_request(json.dumps({"model": "m", "input": "x", "tools": tools[:3]}).encode())
+    sdk = SdkResponse.model_validate(json.loads(msgspec.json.encode(skeleton(plain, "r", 0))))
+    assert [getattr(t, "strict", None) for t in sdk.tools] == [True, True, False]

@@ -29,6 +29,7 @@ from services.api.wire.openai_responses.items import items_to_messages, validati
 from services.api.wire.openai_responses.tools import (
     HOSTED_TOOL_TYPES,
     ToolSet,
+    echoed,
     exposed_name,
     parse_tools,
 )
@@ -287,7 +288,7 @@ def skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> Respon
         temperature=1.0 if req.temperature is None else req.temperature,
         text=_text_config(req),
         tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
-        tools=list(req.tools or []),
+        tools=echoed(req.tools or []),
         top_logprobs=req.top_logprobs or 0,
         top_p=1.0 if req.top_p is None else req.top_p,
         max_tool_calls=req.max_tool_calls,

@@ -161,7 +161,9 @@ class _Builder:
                     name=name,
                     description=fn.description,
                     parameters=fn.parameters or {},
-                    strict=bool(fn.strict),
+                    # The Responses API's default is strict (Chat's is not): arguments are
+                    # constrained to the schema unless the client says false.
+                    strict=fn.strict is not False,
                 )
             )
             self.routes[name] = Route(kind="function", name=fn.name, namespace=namespace)
@@ -201,6 +203,20 @@ class _Builder:
             self.ignored.append(kind)
         else:
             raise InvalidRequest(f"Unsupported tool type {kind!r}", param=f"{where}.type")
+
+
+def echoed(tools: Sequence[JsonObject]) -> list[JsonObject]:
+    """The tools as the Response object echoes them: each function tool (a namespace's too)
+    with its ``strict`` spelled out, ``true`` where the request left it out or null, as the
+    API echoes its default."""
+    out: list[JsonObject] = []
+    for tool in tools:
+        if tool.get("type") == "function" and tool.get("strict") is None:
+            tool = {**tool, "strict": True}
+        elif tool.get("type") == "namespace" and isinstance(inner := tool.get("tools"), list):
+            tool = {**tool, "tools": echoed([t for t in inner if isinstance(t, dict)])}
+        out.append(tool)
+    return out
 
 
 def parse_tools(raw: Sequence[JsonObject], param: str = "tools") -> ToolSet:
