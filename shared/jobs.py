@@ -189,6 +189,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # merges the streams into ``choices[i]``. ``choice``: which of them this job generates.
     n: int = 1
     choice: int = 0
+    # Legacy Completions' prompt batch: the n choices are ``prompts`` runs of ``n // prompts``
+    # choices, one run per prompt in order (OpenAI's ``index = prompt * n + j``); each choice's
+    # job carries its own prompt. 1 everywhere else.
+    prompts: int = 1
 
 
 def choice_id(rid: str, index: int) -> str:

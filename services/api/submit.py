@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -67,7 +68,7 @@ async def submit(
     job: GenerateRequest,
     *,
     owner: str | None = None,
-    prompt: RenderedPrompt | None = None,
+    prompt: RenderedPrompt | list[RenderedPrompt] | None = None,
 ) -> Job:
     """Validate, render and tokenize a request, then store and enqueue it as a ``Job``.
 
@@ -75,8 +76,9 @@ async def submit(
         state: the app state.
         job: the canonical request; ``request_id`` may be empty (one is assigned).
         owner: the caller's owner id from ``authenticate``; None keeps ``job.owner``.
-        prompt: the prompt already tokenized (legacy completions: raw text, no template);
-            None renders ``job.messages`` through the chat template.
+        prompt: the prompt already tokenized (legacy completions: raw text, no template), or
+            a batch's prompts (``job.prompts`` of them); None renders ``job.messages`` through
+            the chat template.
 
     Returns:
         The job as enqueued: the request with ``request_id``, ``prompt_token_ids``,
@@ -84,7 +86,8 @@ async def submit(
         ``choice_jobs`` gives the others).
 
     Raises:
-        InvalidRequest: ``n`` is below 1 or above ``SLUICE_MAX_N``.
+        InvalidRequest: ``n`` (per prompt) is below 1 or above ``SLUICE_MAX_N``, or a batch
+            has more choices than the queue holds.
         ModelNotFound: no card for ``job.model``.
         NoWorker: a card but no live worker for it.
         InvalidRequest: the chat template rejected the conversation.
@@ -106,16 +109,30 @@ async def submit(
 
 
 async def _admit(
-    state: AppState, job: GenerateRequest, owner: str | None, prompt: RenderedPrompt | None
+    state: AppState,
+    job: GenerateRequest,
+    owner: str | None,
+    prompt: RenderedPrompt | list[RenderedPrompt] | None,
 ) -> Job:
-    if not 1 <= job.n <= state.settings.max_n:
+    if not 1 <= job.n // job.prompts <= state.settings.max_n:
         raise InvalidRequest(f"n must be between 1 and {state.settings.max_n}", param="n")
+    if job.n > state.settings.queue_max:
+        # all or nothing, so a batch larger than the queue could never be admitted: say so now
+        raise InvalidRequest(
+            f"{job.n} completions in one request exceed the queue's {state.settings.queue_max}",
+            param="prompt",
+        )
     loaded = await state.cards.get(job.model)
     if not await state.cards.has_worker(job.model):
         raise NoWorker(f"no worker is serving '{job.model}' right now", retry_after=5)
     if job.max_tokens is not None and job.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-    rendered = prompt or await render_prompt(loaded.renderer, job)
+    batch = (
+        prompt
+        if isinstance(prompt, list)
+        else [prompt or await render_prompt(loaded.renderer, job)]
+    )
+    rendered = max(batch, key=lambda p: len(p.token_ids))  # the one that must fit
     prompt_ids = list(rendered.token_ids)
     context = loaded.card.context_length
     wanted = job.max_tokens or 1
@@ -136,11 +153,12 @@ async def _admit(
     request = msgspec.structs.replace(
         job, request_id=rid, owner=job.owner if owner is None else owner, created=time.time()
     )
-    tokenized = Job.of(request, prompt_token_ids=prompt_ids, prompt_text=rendered.text)
+    first = batch[0]
+    tokenized = Job.of(request, prompt_token_ids=list(first.token_ids), prompt_text=first.text)
     if (rec := access.record()) is not None:
         rec.request_id, rec.model = rid, job.model
     logs.bind(request_id=rid, model=job.model)
-    jobs = choice_jobs(tokenized)
+    jobs = choice_jobs(tokenized, batch)
     sent = time.perf_counter()
     try:
         await _store(state, jobs)
@@ -185,25 +203,34 @@ async def render_prompt(renderer: PromptRenderer, job: GenerateRequest) -> Rende
         raise InvalidRequest(f"could not render the conversation: {exc}", param="messages") from exc
 
 
-def choice_jobs(job: Job) -> list[Job]:
+def choice_jobs(job: Job, prompts: Sequence[RenderedPrompt] = ()) -> list[Job]:
     """The jobs of a request's choices: ``job`` itself, then one per further choice, each under
-    its derived id with its own seed.
+    its derived id with its own seed, and, in a prompt batch, its own prompt.
 
     Args:
         job: the request's job (choice 0).
+        prompts: a batch's prompts (``job.prompts`` of them, each for ``job.n // job.prompts``
+            choices in a row); empty or one: every choice has ``job``'s prompt.
 
     Returns:
         ``job.n`` jobs, choice 0 first.
     """
-    return [job] + [
-        msgspec.structs.replace(
+    per_prompt = job.n // job.prompts
+    jobs = [job]
+    for i in range(1, job.n):
+        choice = msgspec.structs.replace(
             job,
             request_id=choice_id(job.request_id, i),
             choice=i,
             sampling=msgspec.structs.replace(job.sampling, seed=choice_seed(job.sampling.seed, i)),
         )
-        for i in range(1, job.n)
-    ]
+        if len(prompts) > 1:
+            own = prompts[i // per_prompt]
+            choice = msgspec.structs.replace(
+                choice, prompt_token_ids=list(own.token_ids), prompt_text=own.text
+            )
+        jobs.append(choice)
+    return jobs
 
 
 async def _enqueue(state: AppState, jobs: list[Job]) -> int:

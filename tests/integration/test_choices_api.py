@@ -127,6 +127,49 @@ async def test_completions_n2(api: str, worker: object, redis: aioredis.Redis) -
     await logs(redis, done.id, 2)
 
 
+async def test_completions_prompt_batch(api: str, worker: object, redis: aioredis.Redis) -> None:
+    """A batch of prompts through the SDK: choice index = prompt * n + j, each choice answers
+    (and echoes) its own prompt, usage counts every prompt once; streamed alike."""
+    prompts = ["hi", "a longer second prompt"]
+    async with client(api) as c:
+        one = await c.completions.create(model=MODEL, prompt=prompts[1], max_tokens=8)
+        done = await c.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, echo=True)
+        stream = await c.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            n=2,
+            max_tokens=8,
+            echo=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    want = [p + REPLY[:8] for p in prompts for _ in range(2)]
+    assert [(ch.index, ch.text) for ch in done.choices] == list(enumerate(want))
+    assert done.usage is not None and one.usage is not None
+    assert done.usage.completion_tokens == 4 * 8
+    assert done.usage.prompt_tokens == len(await _prompt_ids(redis, done.id, 0)) + (
+        one.usage.prompt_tokens
+    )
+    texts = ["", "", "", ""]
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == want
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == done.usage.prompt_tokens
+    )
+    jobs = [
+        decode_job(await redis.hget(keys.request(choice_id(done.id, i)), "job")) for i in range(4)
+    ]  # type: ignore[misc]
+    assert [j.prompt_text for j in jobs] == [p for p in prompts for _ in range(2)]
+    await logs(redis, done.id, 4)
+
+
+async def _prompt_ids(redis: aioredis.Redis, rid: str, choice: int) -> list[int]:
+    raw = await redis.hget(keys.request(choice_id(rid, choice)), "job")  # type: ignore[misc]
+    return list(decode_job(raw).prompt_token_ids)
+
+
 async def test_n_over_the_cap_and_best_of_are_400s(api: str, worker: object) -> None:
     async with client(api) as c:
         with pytest.raises(openai.BadRequestError) as info:

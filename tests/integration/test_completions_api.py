@@ -97,8 +97,9 @@ async def test_stop_and_sampling_fields_reach_the_job(
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", 5]}, "prompt[1]"),
         ({"prompt": "a", "n": 99}, "n"),  # over SLUICE_MAX_N
+        ({"prompt": ["a"] * 2000}, "prompt"),  # more completions than the queue holds
         ({"prompt": "a", "suffix": "b"}, "suffix"),
         ({"prompt": "a", "logprobs": 99}, "logprobs"),
         ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),

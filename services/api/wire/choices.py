@@ -34,14 +34,16 @@ class ChoiceProjector(Protocol):
         ...
 
 
-def merge_usage(usages: Sequence[Usage | None]) -> Usage | None:
+def merge_usage(usages: Sequence[Usage | None], prompts: int = 1) -> Usage | None:
     """The usage of a request with several choices, as OpenAI counts it.
 
-    The prompt is one prompt, read once: its tokens (and the cached ones) are choice 0's, or
-    the first choice's that reported any. Completion and reasoning tokens are summed.
+    Each prompt is read once: its tokens (and the cached ones) are those of the first choice
+    of its run that reported any (one run for a one-prompt request; a legacy Completions batch
+    has one run of choices per prompt). Completion and reasoning tokens are summed.
 
     Args:
         usages: each choice's ``Usage``, None where a choice reported none.
+        prompts: how many runs of equal length the choices form, one per prompt.
 
     Returns:
         The request's usage, None when no choice reported any.
@@ -49,11 +51,13 @@ def merge_usage(usages: Sequence[Usage | None]) -> Usage | None:
     present = [u for u in usages if u is not None]
     if not present:
         return None
-    first = present[0]
+    per_prompt = max(1, len(usages) // prompts)
+    runs = [usages[i : i + per_prompt] for i in range(0, len(usages), per_prompt)]
+    firsts = [u for run in runs if (u := next((x for x in run if x is not None), None))]
     return Usage(
-        input_tokens=first.input_tokens,
+        input_tokens=sum(u.input_tokens for u in firsts),
         output_tokens=sum(u.output_tokens for u in present),
-        cached_tokens=first.cached_tokens,
+        cached_tokens=sum(u.cached_tokens for u in firsts),
         reasoning_tokens=sum(u.reasoning_tokens for u in present),
     )
 
@@ -71,6 +75,7 @@ class ChoiceMerge:
         self,
         choices: Sequence[ChoiceProjector],
         finale: Callable[[Usage | None], list[Frame]],
+        prompts: int = 1,
     ) -> None:
         """Merge ``choices`` (one projector per choice, choice ``i`` at index ``i``).
 
@@ -78,9 +83,11 @@ class ChoiceMerge:
             choices: the choices' projectors, each built with its own index.
             finale: the frames after the last choice's finish, given the merged usage (e.g.
                 Chat's usage chunk when the client asked for usage).
+            prompts: the runs of choices with a prompt of their own (``merge_usage``).
         """
         self.choices = list(choices)
         self._finale = finale
+        self._prompts = prompts
         self._usages: list[Usage | None] = [None] * len(choices)
         self._done = [False] * len(choices)
         self._shown = 0  # choices 0 .. _shown - 1 have had a frame out
@@ -118,7 +125,7 @@ class ChoiceMerge:
             self._done[index] = True
             if all(self._done):
                 self.ended = True
-                self.usage = merge_usage(self._usages)
+                self.usage = merge_usage(self._usages, self._prompts)
                 frames += self._finale(self.usage)
         return frames
 

@@ -74,6 +74,20 @@ def test_usage_counts_the_prompt_once_and_sums_the_rest() -> None:
     assert merge_usage([None, None]) is None
 
 
+def test_a_prompt_batch_counts_each_prompt_once() -> None:
+    """Two prompts with two choices each: each prompt's tokens once (the first choice of its
+    run that reported usage), completions summed."""
+    usages = [
+        Usage(input_tokens=10, output_tokens=3, cached_tokens=0),
+        Usage(input_tokens=10, output_tokens=4, cached_tokens=9),
+        None,
+        Usage(input_tokens=30, output_tokens=5, cached_tokens=16),
+    ]
+    assert merge_usage(usages, prompts=2) == Usage(
+        input_tokens=40, output_tokens=12, cached_tokens=16
+    )
+
+
 def interleave(streams: list[list[AnyEvent]], seed: int) -> list[tuple[int, AnyEvent]]:
     """The choices' events in one random arrival order, each choice's own order kept."""
     rng = random.Random(seed)
@@ -144,7 +158,9 @@ def test_completion_chunks_build_the_non_streamed_body(seed: int) -> None:
         if choice["finish_reason"] is not None:
             finishes[choice["index"]] = choice["finish_reason"]
     body = json.loads(
-        msgspec.json.encode(openai_completions.render_choices([fold(s) for s in streams], ctx))
+        msgspec.json.encode(
+            openai_completions.render_choices([fold(s) for s in streams], [ctx] * 3)
+        )
     )
     assert texts == [c["text"] for c in body["choices"]]
     assert all(t.startswith("Say: ") for t in texts)  # each choice echoes the prompt

@@ -71,7 +71,7 @@ def test_defaults_are_openai_s() -> None:
         True,
         [],
     )
-    assert parsed.prompt == "Once upon a time" and parsed.suffix is None
+    assert parsed.prompts == ["Once upon a time"] and parsed.suffix is None
     assert not parsed.options.stream and parsed.options.logprobs is None
     assert not job.sampling.logprobs
 
@@ -96,7 +96,7 @@ def test_fields_map_onto_the_job() -> None:
         request_id="cmpl_1",
     )
     job, opts = parsed.job, parsed.options
-    assert parsed.prompt == "one prompt"
+    assert parsed.prompts == ["one prompt"]
     assert (job.max_tokens, job.stop, job.user) == (5, ["\n"], "u1")
     s = job.sampling
     assert (s.temperature, s.top_p, s.seed, s.presence_penalty, s.frequency_penalty) == (
@@ -116,17 +116,25 @@ def test_logprobs_zero_still_asks_for_the_sampled_token() -> None:
 
 
 def test_token_id_prompts_are_accepted() -> None:
-    assert parse_request(body(prompt=[1, 2, 3]), request_id="r").prompt == [1, 2, 3]
-    assert parse_request(body(prompt=[[4, 5]]), request_id="r").prompt == [4, 5]
+    assert parse_request(body(prompt=[1, 2, 3]), request_id="r").prompts == [[1, 2, 3]]
+    assert parse_request(body(prompt=[[4, 5]]), request_id="r").prompts == [[4, 5]]
+
+
+def test_a_prompt_batch_is_n_choices_per_prompt() -> None:
+    """OpenAI's batch: choices are prompt 0's n, then prompt 1's, ... (index = prompt * n + j)."""
+    parsed = parse_request(body(prompt=["a", [4, 5], "c"], n=2), request_id="r")
+    assert parsed.prompts == ["a", [4, 5], "c"]
+    assert (parsed.job.n, parsed.job.prompts) == (6, 3)
 
 
 @pytest.mark.parametrize(
     ("fields", "param", "words"),
     [
-        ({"prompt": ["a", "b"]}, "prompt", "not supported yet"),
-        ({"prompt": [[1], [2]]}, "prompt", "not supported yet"),
+        ({"prompt": ["a", 5]}, "prompt[1]", "must be a string"),
+        ({"prompt": [[1], []]}, "prompt[1]", "must be a string"),
         ({"prompt": []}, "prompt", "empty"),
-        ({"prompt": [{"x": 1}]}, "prompt", "must be a string"),
+        ({"prompt": [{"x": 1}]}, "prompt[0]", "must be a string"),
+        ({"n": 0}, "n", "at least 1"),
         ({"best_of": 3}, "best_of", "not supported"),
         ({"n": 2, "best_of": 3}, "best_of", "use n"),
         ({"echo": True, "suffix": "x"}, "echo", "cannot be used together"),

@@ -96,26 +96,31 @@ def render(completion: Completion, ctx: Context) -> TextCompletion:
     Returns:
         The response body; encode it with ``msgspec.json.encode``.
     """
-    return render_choices([completion], ctx)
+    return render_choices([completion], [ctx])
 
 
-def render_choices(completions: list[Completion], ctx: Context) -> TextCompletion:
+def render_choices(completions: list[Completion], contexts: list[Context]) -> TextCompletion:
     """Render the folded streams of a request's choices as one ``text_completion`` body.
 
     Args:
         completions: the fold of each choice's events, choice 0 first (finished, not failed).
-        ctx: the request's ids and output options.
+        contexts: each choice's context (the request's ids and output options, and the echo
+            of the choice's own prompt in a batch).
 
     Returns:
-        The response body: ``choices[i]`` from ``completions[i]`` (each with the echo, when
-        asked for), usage summed over the choices with the prompt counted once.
+        The response body: ``choices[i]`` from ``completions[i]`` (each with its echo, when
+        asked for), usage summed over the choices with each prompt counted once.
     """
+    ctx = contexts[0]
+    usages = [c.usage for c in completions]
     return TextCompletion(
         id=ctx.id,
         created=ctx.created,
         model=ctx.model,
-        choices=[_choice(c, ctx, i) for i, c in enumerate(completions)],
-        usage=usage_out(merge_usage([c.usage for c in completions])),
+        choices=[
+            _choice(c, x, i) for i, (c, x) in enumerate(zip(completions, contexts, strict=True))
+        ],
+        usage=usage_out(merge_usage(usages, ctx.prompts)),
     )
 
 

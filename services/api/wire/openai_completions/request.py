@@ -79,7 +79,9 @@ class ParsedCompletion(msgspec.Struct, frozen=True, kw_only=True):
     """A validated request: the job (prompt not yet tokenized), the prompt and the options."""
 
     job: GenerateRequest
-    prompt: str | list[int]  # raw text, or token ids the client tokenized itself
+    # raw text, or token ids the client tokenized itself; several for a batch, whose choices
+    # are prompt 0's n, then prompt 1's, ... (``job.n`` counts them all)
+    prompts: list[str | list[int]]
     suffix: str | None
     options: CompletionOptions
 
@@ -99,12 +101,15 @@ def parse_request(body: bytes, *, request_id: str) -> ParsedCompletion:
 
     Raises:
         InvalidRequest: bad JSON or field types, out-of-range values, or something sluice does
-            not implement (several prompts, ``best_of`` other than ``n``, ``logit_bias``,
-            ``echo`` with ``suffix``).
+            not implement (``best_of`` other than ``n``, ``logit_bias``, ``echo`` with
+            ``suffix``).
     """
     req = decode_body(_DECODER, body, _invalid)
     _check_unsupported(req)
-    prompt = _prompt(req.prompt)
+    prompts = _prompts(req.prompt)
+    per_prompt = 1 if req.n is None else req.n
+    if per_prompt < 1:
+        raise InvalidRequest("n must be at least 1", param="n")
     logprobs = req.logprobs
     check_range(logprobs, 0, MAX_LOGPROBS, "logprobs")
     if req.max_tokens is not None and req.max_tokens < 1:
@@ -124,7 +129,8 @@ def parse_request(body: bytes, *, request_id: str) -> ParsedCompletion:
         reasoning=ReasoningControl(visible=True),
         raw_text=True,
         user=req.user,
-        n=1 if req.n is None else req.n,
+        n=per_prompt * len(prompts),
+        prompts=len(prompts),
     )
     options = CompletionOptions(
         stream=bool(req.stream),
@@ -132,7 +138,7 @@ def parse_request(body: bytes, *, request_id: str) -> ParsedCompletion:
         echo=bool(req.echo),
         logprobs=logprobs,
     )
-    return ParsedCompletion(job=job, prompt=prompt, suffix=req.suffix, options=options)
+    return ParsedCompletion(job=job, prompts=prompts, suffix=req.suffix, options=options)
 
 
 def _invalid(exc: msgspec.ValidationError) -> InvalidRequest:
@@ -157,27 +163,28 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _prompt(raw: str | list[Any]) -> str | list[int]:
-    """The one prompt: a string, a list holding one string, or one list of token ids."""
+def _prompts(raw: str | list[Any]) -> list[str | list[int]]:
+    """The request's prompts: a string, a list of token ids, or a batch (a list of strings
+    or of token id lists), in order."""
     if isinstance(raw, str):
-        return raw
+        return [raw]
     if not raw:
         raise InvalidRequest("prompt must not be empty", param="prompt")
     if all(_is_int(v) for v in raw):
-        return [int(v) for v in raw]
-    one = raw[0] if len(raw) == 1 else None
-    if isinstance(one, str):
-        return one
-    if isinstance(one, list) and one and all(_is_int(v) for v in one):
-        return [int(v) for v in one]
-    if len(raw) > 1 and all(isinstance(v, str | list) for v in raw):
-        raise InvalidRequest(
-            f"a batch of {len(raw)} prompts is not supported yet: send one prompt per request",
-            param="prompt",
-        )
-    raise InvalidRequest(
-        "prompt must be a string, a list of one string, or a list of token ids", param="prompt"
-    )
+        return [[int(v) for v in raw]]
+    prompts: list[str | list[int]] = []
+    for i, one in enumerate(raw):
+        if isinstance(one, str):
+            prompts.append(one)
+        elif isinstance(one, list) and one and all(_is_int(v) for v in one):
+            prompts.append([int(v) for v in one])
+        else:
+            raise InvalidRequest(
+                "prompt must be a string, a list of token ids, or a list of strings or of "
+                "token id lists",
+                param=f"prompt[{i}]",
+            )
+    return prompts
 
 
 def _sampling(req: CompletionRequest) -> SamplingParams:

@@ -75,3 +75,4 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
     echo_tokens: list[str] = []  # its tokens, listed under ``logprobs`` with null scores
     index: int = 0  # the choice a projector streams (``choices[].index``)
     n: int = 1  # choices in the request: with more than one, the usage chunk is the merge's
+    prompts: int = 1  # a batch's prompts: each run of n / prompts choices reads its own
