@@ -67,9 +67,11 @@ async def _inline_markers(state: AppState, job: GenerateRequest) -> tuple[str, s
     return None if markers is None else (markers.open, markers.close)
 
 
-def _merge(ctx: openai_chat.Context, n: int) -> ChoiceMerge:
+def _merge(ctx: openai_chat.Context, job: GenerateRequest) -> ChoiceMerge:
+    n = job.n
     choices = [openai_chat.Projector(msgspec.structs.replace(ctx, index=i, n=n)) for i in range(n)]
-    return ChoiceMerge(choices, lambda usage: usage_chunk(ctx, usage))
+    # a legacy Completions batch replayed as Chat keeps counting each of its prompts once
+    return ChoiceMerge(choices, lambda usage: usage_chunk(ctx, usage), prompts=job.prompts)
 
 
 async def _completion(
@@ -112,7 +114,7 @@ async def create_chat_completion(request: Request) -> Response:
         projector = openai_chat.Projector(ctx)
         return sse_response(state, request, job.request_id, projector, headers=headers)
     count_reads(state, request, resumed=False)
-    plan = ChoicesPlan(state, rids, _merge(ctx, job.n), cancel_on_failure=True)
+    plan = ChoicesPlan(state, rids, _merge(ctx, job), cancel_on_failure=True)
     return plan_response(state, plan, headers=headers)
 
 
@@ -138,7 +140,7 @@ async def replay_chat_completion(rid: str, request: Request) -> Response:
     headers = {"x-request-id": rid}
     if job.n > 1 and job.choice == 0:
         rids = await owned_choices(state, job, owner)
-        merge = _merge(ctx, job.n)
+        merge = _merge(ctx, job)
         # Each choice's log caught up to its own position in the client's Last-Event-ID.
         positions = await catch_up_choices(state, request, rids, merge)
         count_reads(state, request, resumed=any(p != "0-0" for p in positions))
