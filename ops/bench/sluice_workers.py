@@ -112,7 +112,8 @@ def worker_counts(metrics: list[str]) -> list[dict[str, Any]]:
         }
         row["prefix_queried"] = _sample(text, "sluice_prefix_cache_queries_total")
         row["prefix_hit"] = _sample(text, "sluice_prefix_cache_hits_total")
-        row["jobs"] = sum(row[o] for o in OUTCOMES)
+        # jobs it started (first attempts: each observes its queue time once, affinity on or off)
+        row["jobs"] = _sample(text, "sluice_request_queue_time_seconds_count")
         out.append(row)
     return out
 
