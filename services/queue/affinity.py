@@ -4,15 +4,16 @@ Pull-based, with no router to fail. Three pieces, all on the queue Redis:
 
 - **Holdings** (worker): each worker publishes, cheaply and with expiry, the hashes of the KV
   blocks its prefix cache holds (``shared.prefix``, the chain the cache keys on) in a set of its
-  own, and its free job slots in the model's holders hash. Only
-  changes travel (the block pool's journal, a few hashes per decode step); one call refreshes
-  the expiry every ``REFRESH_S``, and a set that went missing (Redis restarted, the key expired
-  while the worker was stalled) is re-sent whole.
+  own, and its free job slots and running jobs in the model's holders hash. Only changes travel
+  (the block pool's journal, a few hashes per decode step); one call refreshes the expiry every
+  ``REFRESH_S``, and a set that went missing (Redis restarted, the key expired while the worker
+  was stalled) is re-sent whole.
 - **Preference** (API, in the enqueue script): the job's prompt chain is matched against every
   live worker's set (``SMISMEMBER``, first miss ends it); the worker with the longest match wins,
   ties to the one with more free slots, then at random. Only workers with a free slot compete,
-  and one of the winner's slots is reserved until it next publishes, so a burst of sessions
-  spreads over the workers instead of all preferring the first. The job records
+  a worker far busier than the least busy one is passed over (SGLang's balance guard), and one
+  of the winner's slots is reserved until it next publishes, so a burst of sessions spreads
+  over the workers instead of all preferring the first. The job records
   ``"<worker> <deadline> <blocks>"``, the deadline ``SLUICE_AFFINITY_WAIT_MS`` after enqueue
   on Redis's clock (no skew between hosts).
 - **Claims** (worker, each poll): of the ids arq read, a worker starts those it is preferred
