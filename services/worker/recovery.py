@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import time
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -30,6 +31,7 @@ from services.worker.publisher import Publisher
 from shared import keys
 from shared.codec import decode_entry, decode_job
 from shared.events import Error, is_terminal
+from shared.prefix import prompt_chain
 from shared.protocol import claim_lost
 
 __all__ = ["ORPHAN_SCAN", "sweep_loop", "sweep_once", "sweep_orphans"]
@@ -90,6 +92,21 @@ async def sweep_once(wc: WorkerContext, queue: Queue) -> list[str]:
     return acted
 
 
+def _affinity(wc: WorkerContext, payload: bytes) -> dict[str, Any]:
+    """Queue a job again preferring the live worker that holds most of its prompt, as the API
+    queued it. A continuation's lost worker held more, but with the default lease (5 s) its
+    holdings (3 s) are gone before a sweeper takes over; with a shorter lease it is waited for
+    no longer than the wait."""
+    wait_ms = wc.settings.affinity_wait_ms
+    if wait_ms <= 0:
+        return {}
+    tokens = decode_job(payload).prompt_token_ids
+    return {
+        "prefix": prompt_chain(wc.name, tokens, wc.settings.kv_block_size),
+        "affinity_wait_ms": wait_ms,
+    }
+
+
 async def _requeue_expired(wc: WorkerContext, queue: Queue, rid: str) -> bool:
     """Put a request arq dropped for waiting too long back at its place in the queue, without
     counting an attempt: only the start timeout may end a request that no worker started."""
@@ -110,6 +127,7 @@ async def _requeue_expired(wc: WorkerContext, queue: Queue, rid: str) -> bool:
         enqueue_ms=int(since),  # its place in the queue
         expires_ms=wc.settings.job_expires_s * 1000,
         bound=2**53,  # a request already admitted is never refused for a full queue
+        **_affinity(wc, payload),
     )
     log.info("%s: waited past its job expiry; queued again at its place (%s)", rid, result)
     return result == ENQUEUED
@@ -190,6 +208,7 @@ async def _recover(wc: WorkerContext, queue: Queue, rid: str) -> bool:
         enqueue_ms=int(time.time() * 1000),
         expires_ms=wc.settings.job_expires_s * 1000,
         bound=2**53,  # a request already admitted is never refused for a full queue
+        **_affinity(wc, payload),
     )
     log.warning("%s: worker lost; continuation %s enqueued (%s)", rid, attempt, queued == ENQUEUED)
     await _note_failover(wc, rid, "takeover", attempt)
