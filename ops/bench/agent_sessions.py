@@ -29,8 +29,8 @@ once each has 16 tokens out, a ~6,000-token prompt arrives. Per server: the stre
 interval median, p99 and max, and whether p99 < 3x median (sluice with
 SLUICE_STREAM_INTERVAL_S=0: a chunk per decode step; the tokens/chunk column checks that).
 
-    .venv/bin/python ops/bench/agent_sessions.py --before-ref HEAD~5 --json /tmp/agent.json
-    .venv/bin/python ops/bench/agent_sessions.py --chunked --skip-before
+    .venv/bin/python -m ops.bench.agent_sessions --before-ref HEAD~5 --json /tmp/agent.json
+    .venv/bin/python -m ops.bench.agent_sessions --chunked --skip-before
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import asyncio
 import itertools
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -51,82 +50,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from machine_load import emit, load_probe
-from sluice_workers import sluice_workers, summarize_workers, worker_counts
-from vs_server import _open, cmdline, descendants, free_port, stop, vm_hwm, wait_until
+
+from ops.bench.agent_workload import LONG_WORDS, request, system_prompt, turn_text, words
+from ops.bench.machine_load import emit, load_probe
+from ops.bench.sluice_workers import sluice_workers, summarize_workers, worker_counts
+from ops.bench.vs_server import _open, cmdline, descendants, free_port, stop, vm_hwm, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-_VOCAB = (
-    "the a of to and in for on with as by from that this each when then only never always "
-    "file line test build branch commit change review error value result request response "
-    "server client cache token model queue worker stream batch step function schema field "
-    "user agent tool call answer question check update read write search list run keep send "
-    "first last next small large fast slow new old same other every short long clear exact "
-    "project module package path config option default limit budget timeout retry report "
-    "before after while until unless because careful simple correct useful"
-)
-WORDS = _VOCAB.split()
-SYSTEM_WORDS, TURN_WORDS, LONG_WORDS = 2690, 215, 5430  # ~3,000 / ~250 / ~6,000 SmolLM2 tokens
-
-
-def words(seed: str, n: int) -> str:
-    """``n`` words of sentence-like text, the same for the same seed."""
-    rng, out = random.Random(seed), []
-    while len(out) < n:
-        sentence = rng.choices(WORDS, k=rng.randint(6, 14))
-        out += [sentence[0].capitalize(), *sentence[1:-1], sentence[-1] + "."]
-    return " ".join(out[:n])
-
-
-def system_prompt() -> str:
-    rules = words("system", SYSTEM_WORDS)
-    return f"You are a careful coding agent working in a user's repository.\n\n{rules}"
-
-
-def _tool(name: str, about: str, **props: str) -> dict[str, Any]:
-    schema = {k: {"type": "string", "description": v} for k, v in props.items()}
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": about,
-            "parameters": {"type": "object", "properties": schema, "required": list(props)[:1]},
-        },
-    }
-
-
-TOOLS = [
-    _tool("read_file", "Read a file of the repository.", path="relative path", lines="a:b range"),
-    _tool("write_file", "Replace a file's contents.", path="relative path", content="new text"),
-    _tool("search_code", "Regex search over the tree.", pattern="regex", glob="file filter"),
-    _tool("run_tests", "Run the test suite or a part.", selector="pytest node id or -k text"),
-    _tool("list_directory", "List a folder.", path="relative path", depth="levels to show"),
-    _tool("git_diff", "Show the uncommitted change.", path="limit to this path"),
-    _tool("http_get", "Fetch a URL's text.", url="absolute URL", max_bytes="truncate after"),
-]
-
-
-def turn_text(session: int, turn: int) -> str:
-    """Turn ``turn`` of ``session``: its own words from its first token on."""
-    body = words(f"{session}-{turn}", TURN_WORDS)
-    if turn % 2:  # what an agent loop sends back after a tool ran
-        return f"Tool result {session}.{turn} (search_code): matches follow.\n{body}"
-    return f"Session {session}, turn {turn}: {body} Please go on with the task."
-
-
-def request(
-    model: str, messages: list[dict[str, str]], tokens: int, tools: bool = True
-) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": messages,
-        **({"tools": TOOLS} if tools else {}),
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
 
 
 async def stream_chat(

@@ -8,7 +8,7 @@ gate|up 3072 x 576, down 576 x 1536; K 512 for Q6_K, whose blocks hold 256 value
 thread: a busy neighbour disturbs it less). Prints the best of ``--repeats`` per build as JSON,
 with GFLOP/s, and checks that both builds' outputs are the same bits.
 
-    .venv/bin/python ops/bench/amx_gemm.py --rows 190
+    .venv/bin/python -m ops.bench.amx_gemm --rows 190
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Usage (from the repository root, with the project's venv)::
 
-    .venv/bin/python ops/bench/chaos.py                 # 5 rounds of each scenario
-    .venv/bin/python ops/bench/chaos.py --rounds 10 --streams 8
+    .venv/bin/python -m ops.bench.chaos                 # 5 rounds of each scenario
+    .venv/bin/python -m ops.bench.chaos --rounds 10 --streams 8
 
 Every round starts real processes (a private ``redis-server`` on a unix socket, ``sluice worker``
 serving the scripted test double, ``sluice api``; the helpers in ``tests/chaos/procs.py``), runs
@@ -29,15 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.chaos.procs import RedisServer, Service, free_port, wait_http
 from tests.chaos.sse_reader import ChatStream, read_chat
@@ -163,7 +161,9 @@ async def kill_round(n: int, expected: str) -> tuple[Counter[str], float, float,
             results, _ = await waiting
         await asyncio.sleep(3.0)  # a few sweeps
         r = stack.redis.client()
-        left = int(r.zcard("sluice:queue:scripted-long")) + len(r.keys("arq:in-progress:*"))
+        queued: int = r.zcard("sluice:queue:scripted-long")  # type: ignore[assignment]
+        running: list[bytes] = r.keys("arq:in-progress:*")  # type: ignore[assignment]
+        left = queued + len(running)
         ends = [x.ended_at - killed[0] for x in results if isinstance(x, ChatStream)]
         verdicts = Counter(verdict(x, expected) for x in results)
         return verdicts, max(ends, default=float("nan")), fresh_s, left
@@ -180,7 +180,8 @@ async def oom_round(
     statuses: Counter[int] = Counter()
     try:
         admin = stack.redis.client()
-        used = int(admin.info("memory")["used_memory"])
+        memory: dict[str, Any] = admin.info("memory")  # type: ignore[assignment]
+        used = int(memory["used_memory"])
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", used + OOM_HEADROOM)
 
@@ -192,7 +193,8 @@ async def oom_round(
                     break
             # Hold it full: expiring and trimmed entries free a little memory now and then, and
             # just past the limit Redis would take some writes again
-            admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) // 2)
+            full: dict[str, Any] = admin.info("memory")  # type: ignore[assignment]
+            admin.config_set("maxmemory", int(full["used_memory"]) // 2)
             ends = time.monotonic() + hold_s
             async with httpx.AsyncClient(timeout=HANG_S) as client:
                 while time.monotonic() < ends:
@@ -260,7 +262,9 @@ async def main() -> None:
         note = f"new request done {fresh_worst:.1f} s after the kill; arq entries left: {leftovers}"
         print(row("worker SIGKILL, 16 in flight", args.rounds * 16, total, worst, note))
     if args.only in (None, "oom"):
-        total, worst, statuses = Counter(), 0.0, Counter()
+        total = Counter()
+        statuses: Counter[int] = Counter()
+        worst = 0.0
         for _ in range(args.rounds):
             verdicts, wait, seen = await oom_round(16, expected, args.oom_hold)
             total += verdicts

@@ -11,7 +11,7 @@ seen (compiled) and with the same schema again (cached), and the compile and fir
 Prints one JSON object per measurement and the load average around it: the machine is shared,
 so read the ratios, measured in one run.
 
-    .venv/bin/python ops/bench/constrained.py --threads 2 --tokens 96 --batches 1 16
+    .venv/bin/python -m ops.bench.constrained --threads 2 --tokens 96 --batches 1 16
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ second copy of the model has its half scales (``SL_H16``) widened back to floats
 turn beside the first (the same weights and logits: the bytes of the scales are what differs),
 and the ratio is printed. Medians in ms, as JSON lines. Run it on an idle machine.
 
-    .venv/bin/python ops/bench/decode_context.py /tmp/q/smollm2-Q4_0.gguf --contexts 1,250,1000
+    .venv/bin/python -m ops.bench.decode_context /tmp/q/smollm2-Q4_0.gguf --contexts 1,250,1000
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ one JSON object per measurement and the machine load around it: on a shared 2-co
 process taking a core slows a 2-thread torch decode many times over (OpenMP threads spin-wait
 on a descheduled peer: 27 ms per token became 608 ms when a neighbour took one of 2 cores).
 
-    .venv/bin/python ops/bench/engine.py --threads 2 --tokens 128 --batches 1 4 8 16
+    .venv/bin/python -m ops.bench.engine --threads 2 --tokens 128 --batches 1 4 8 16
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ rate are measured, and each decode step is compared with its bandwidth floor (we
 per step + KV bytes read per step, over the measured bandwidth) and a 1,024-token prefill with
 the matmul peak.
 
-    python3 ops/bench/gpu_engine.py --out results.jsonl          # on a GPU machine
-    .venv/bin/python ops/bench/gpu_engine.py --device cpu --shapes tiny --batches 1 3 \\
+    python3 -m ops.bench.gpu_engine --out results.jsonl          # on a GPU machine
+    .venv/bin/python -m ops.bench.gpu_engine --device cpu --shapes tiny --batches 1 3 \\
         --prompt 40 --tokens 8                                    # a smoke run of the harness
 """
 
@@ -157,7 +157,8 @@ def device_time(fn: Callable[[], object], device: torch.device, repeats: int = 1
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
             fn()
             end.record()
@@ -167,7 +168,7 @@ def device_time(fn: Callable[[], object], device: torch.device, repeats: int = 1
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 def machine(device: torch.device) -> dict[str, float]:
@@ -183,7 +184,9 @@ def machine(device: torch.device) -> dict[str, float]:
     return {"copy_bytes_per_s": 2 * n / copy_s, "bf16_flops": 2 * m**3 / mm_s}
 
 
-def prefill_fraction(model: LlamaModel, prompt: int, peak: float, device: torch.device) -> dict:
+def prefill_fraction(
+    model: LlamaModel, prompt: int, peak: float, device: torch.device
+) -> dict[str, Any]:
     """One ``prompt``-token forward (SDPA's fused causal kernel) against the matmul peak."""
     from services.worker.kv_cache import PagedKVCache, SeqRows, build_batch
 
@@ -226,7 +229,9 @@ def job(i: int, ids: list[int], tokens: int) -> Job:
     return Job.of(req, prompt_token_ids=ids, prompt_text="")
 
 
-def decode_run(sched: Scheduler, batch: int, prompt: int, tokens: int, vocab: int) -> dict:
+def decode_run(
+    sched: Scheduler, batch: int, prompt: int, tokens: int, vocab: int
+) -> dict[str, Any]:
     """``batch`` sequences with their own prompts, all submitted at once; decode-only steps of
     all of them timed around the engine's step."""
     steps: list[tuple[float, int, bool]] = []
@@ -281,7 +286,9 @@ def decode_run(sched: Scheduler, batch: int, prompt: int, tokens: int, vocab: in
     }
 
 
-def bench_shape(shape: str, args: argparse.Namespace, hw: dict, emit: Callable) -> None:
+def bench_shape(
+    shape: str, args: argparse.Namespace, hw: dict[str, Any], emit: Callable[[dict[str, Any]], None]
+) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t = time.perf_counter()
@@ -352,7 +359,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args()
 
-    def emit(row: dict) -> None:
+    def emit(row: dict[str, Any]) -> None:
         line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
         print(line, flush=True)
         if args.out:

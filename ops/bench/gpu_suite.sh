@@ -3,7 +3,7 @@
 # torch with CUDA and triton; sluice's own dependencies installed or on PYTHONPATH).
 #   1. the tests that need or use CUDA: tests/gpu, and the unit tests of the paged attention
 #      kernel, the decode graphs and the batched sampler (run on the device there);
-#   2. ops/bench/gpu_engine.py (every shape and batch size; BENCH_ARGS to narrow it).
+#   2. ops.bench.gpu_engine (every shape and batch size; BENCH_ARGS to narrow it).
 # Logs and the benchmark's JSON lines go to OUT_DIR (default gpu-results). Each part has its own
 # time limit (TEST_TIMEOUT, BENCH_TIMEOUT seconds) so one that hangs leaves the other its time.
 set -uo pipefail
@@ -21,5 +21,5 @@ timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -o filte
     tests/unit/worker/test_batch_sampling.py tests/unit/worker/test_batch_sampling_engine.py \
     tests/unit/worker/test_fused_ops.py 2>&1 | tee "$out/tests.log"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-timeout "${BENCH_TIMEOUT:-300}" python3 ops/bench/gpu_engine.py --out "$out/bench.jsonl" \
+timeout "${BENCH_TIMEOUT:-300}" python3 -m ops.bench.gpu_engine --out "$out/bench.jsonl" \
     ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"

@@ -12,7 +12,7 @@ alternate inside each repeat, so a neighbour's load hits them alike; the medians
 against the first file's native build are printed as JSON. Run it on an idle machine (``uptime``
 load below ~0.5).
 
-    .venv/bin/python ops/bench/kernel_formats.py /tmp/q4_1.gguf /tmp/q4_0.gguf /tmp/q8_0.gguf
+    .venv/bin/python -m ops.bench.kernel_formats /tmp/q4_1.gguf /tmp/q4_0.gguf /tmp/q8_0.gguf
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Usage (from the repository root, with the project's venv)::
 
-    .venv/bin/python ops/bench/pickup.py                       # private redis-server, defaults
-    .venv/bin/python ops/bench/pickup.py --jobs 100 --polls 0.5,0.05,0.01 --running 8,16
-    .venv/bin/python ops/bench/pickup.py --polls 0.01 --idle 0,1.0   # without / with the doorbell
-    .venv/bin/python ops/bench/pickup.py --polls 0.01 --idle 1.0 --affinity-wait-ms 50
+    .venv/bin/python -m ops.bench.pickup                       # private redis-server, defaults
+    .venv/bin/python -m ops.bench.pickup --jobs 100 --polls 0.5,0.05,0.01 --running 8,16
+    .venv/bin/python -m ops.bench.pickup --polls 0.01 --idle 0,1.0   # without / with the doorbell
+    .venv/bin/python -m ops.bench.pickup --polls 0.01 --idle 1.0 --affinity-wait-ms 50
 
 For each ``poll_delay`` it starts a real ``sluice worker`` process serving the scripted test
 double (``scripted:long?rate=2&max_batch=16``) and measures:

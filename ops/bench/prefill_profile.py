@@ -10,7 +10,7 @@ over the layers, medians over ``--repeats``; JSON lines out, with GFLOP/s per GE
 ``services/worker/kernels``; same ABI) and times them on the same packed weights, alternating
 with this checkout's build inside each repeat, so the before/after ratio is measured in one run.
 
-    .venv/bin/python ops/bench/prefill_profile.py /tmp/q4_0.gguf /tmp/q8_0.gguf \
+    .venv/bin/python -m ops.bench.prefill_profile /tmp/q4_0.gguf /tmp/q8_0.gguf \
         --baseline /work/main/services/worker/kernels
 """
 

@@ -8,7 +8,7 @@ the run, per generated token, is what publishing costs the worker. Runs alternat
 pipe (a step's publishes in one pipeline) and one ``PUBLISH`` call per sequence per step; the
 medians, their ratio and the round trips per entry are printed as JSON.
 
-    .venv/bin/python ops/bench/publish_pipe.py --streams 16 --tokens 96 --repeats 3
+    .venv/bin/python -m ops.bench.publish_pipe --streams 16 --tokens 96 --repeats 3
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Usage (from the repository root, with the project's venv)::
 
-    .venv/bin/python ops/bench/publish_probe.py                       # private redis-server
-    .venv/bin/python ops/bench/publish_probe.py --events-url redis://host:6379/0 --seconds 10
+    .venv/bin/python -m ops.bench.publish_probe                       # private redis-server
+    .venv/bin/python -m ops.bench.publish_probe --events-url redis://host:6379/0 --seconds 10
 
 ``--streams`` request streams, each written like a decode loop writes it: one ``PUBLISH`` script
 call per step (lease + cancel flag MGET, one XADD of a one-token ``TextDelta`` entry), all
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from ops.bench.streams import start_redis
+from ops.bench.stream_nodes import start_redis
 from shared import keys
 from shared.codec import encode_events
 from shared.events import TextDelta
@@ -38,7 +38,7 @@ async def client_loop(redis: aioredis.Redis, sha: str, rids: list[str], until: f
         async with redis.pipeline(transaction=False) as pipe:
             for rid in rids:
                 keys_ = [keys.events(rid), keys.lease(rid), keys.cancel(rid)]
-                pipe.evalsha(sha, 3, *keys_, "w", 5000, 100_000, 0, 2, body)
+                pipe.evalsha(sha, 3, *keys_, "w", 5000, 100_000, 0, 2, body)  # type: ignore[arg-type]
             await pipe.execute()
         steps += 1
     return steps * len(rids)

@@ -2,8 +2,8 @@
 
 Usage (from the repository root, with the project's venv)::
 
-    .venv/bin/python ops/bench/redis_ops.py                  # private redis-server, defaults
-    .venv/bin/python ops/bench/redis_ops.py --streams 8 --slow-s 1.0
+    .venv/bin/python -m ops.bench.redis_ops                  # private redis-server, defaults
+    .venv/bin/python -m ops.bench.redis_ops --streams 8 --slow-s 1.0
 
 Starts a private ``redis-server`` (unix socket, so nobody else's traffic is counted), a real
 ``sluice worker`` serving the scripted double ``scripted:long`` (600 words, no rate limit: steps
@@ -36,7 +36,8 @@ from pathlib import Path
 import httpx
 import redis.asyncio as aioredis
 
-from ops.bench.streams import free_port, start_redis
+from ops.bench.stream_nodes import start_redis
+from ops.bench.streams import free_port
 
 MODEL = "bench-ops"
 SPEC = "scripted:long?max_batch=64"

@@ -5,7 +5,7 @@ every 2-D block weight (not the token embedding, which keeps the file's type, as
 ``llama-quantize`` keeps it at Q8_0 for this model) through ``gguf.quants`` and copies the
 metadata. Do not commit the outputs.
 
-    .venv/bin/python ops/bench/requantize.py Q4_0 /tmp/smollm2-q4_0.gguf
+    .venv/bin/python -m ops.bench.requantize Q4_0 /tmp/smollm2-q4_0.gguf
 """
 
 from __future__ import annotations

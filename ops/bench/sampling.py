@@ -6,7 +6,7 @@ thread (the worker's torch thread), over a vocabulary of ``--vocab`` (default Sm
 random logits scaled by ``--width`` (larger: flatter, wider nuclei). Medians in microseconds and
 the baseline's time over ours, as JSON lines.
 
-    .venv/bin/python ops/bench/sampling.py
+    .venv/bin/python -m ops.bench.sampling
 """
 
 from __future__ import annotations

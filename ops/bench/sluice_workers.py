@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from vs_server import free_port, stop, wait_until
+
+from ops.bench.vs_server import free_port, stop, wait_until
 
 OUTCOMES = ("hit", "miss", "after_wait", "busy")
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from machine_load import attempts, emit, load_probe
+from ops.bench.machine_load import attempts, emit, load_probe
 
 
 def _free_port() -> int:

@@ -38,13 +38,15 @@ class Nodes:
             return
         cluster = cast(RedisCluster, self.redis)
         await cluster.initialize()
-        self.servers = [aioredis.Redis(host=n.host, port=n.port) for n in cluster.get_nodes()]
+        self.servers = [aioredis.Redis(host=n.host, port=int(n.port)) for n in cluster.get_nodes()]
 
     def primary(self, key: str) -> aioredis.Redis | None:
         """A plain client to the primary serving ``key`` (None on one Redis)."""
         if not self.cluster:
             return None
         node = cast(RedisCluster, self.redis).get_node_from_key(key)
+        if node is None:
+            raise LookupError(key)
         for server in self.servers:
             kwargs = server.connection_pool.connection_kwargs
             if (kwargs["host"], int(kwargs["port"])) == (node.host, int(node.port)):
@@ -58,6 +60,8 @@ class Nodes:
         by_node: dict[tuple[str, int], list[str]] = {}
         for rid in rids:
             node = cluster.get_node_from_key(keys.events(rid))
+            if node is None:
+                raise LookupError(rid)
             by_node.setdefault((node.host, int(node.port)), []).append(rid)
         return [(host, port, node_rids) for (host, port), node_rids in by_node.items()]
 
@@ -84,7 +88,8 @@ def start_cluster(tmp: Path) -> LocalCluster:
     # deployment (a client that learns the map earlier reads the primaries)
     node = redis.Redis(port=CLUSTER_PORTS[0])
     for _ in range(300):
-        if all(len(r) >= 4 for r in node.execute_command("CLUSTER SLOTS")):
+        slots = node.execute_command("CLUSTER SLOTS")  # type: ignore[no-untyped-call]
+        if all(len(r) >= 4 for r in slots):
             break
         time.sleep(0.1)
     node.close()

@@ -2,10 +2,10 @@
 
 Usage (from the repository root, with the project's venv)::
 
-    .venv/bin/python ops/bench/streams.py                          # private redis-server
-    .venv/bin/python ops/bench/streams.py --levels 250,500,1000,1500 --seconds 8
-    .venv/bin/python ops/bench/streams.py --cluster                # private 3x2 Redis Cluster
-    .venv/bin/python ops/bench/streams.py --api-tree /tmp/old --schema 1   # an older API tree
+    .venv/bin/python -m ops.bench.streams                          # private redis-server
+    .venv/bin/python -m ops.bench.streams --levels 250,500,1000,1500 --seconds 8
+    .venv/bin/python -m ops.bench.streams --cluster                # private 3x2 Redis Cluster
+    .venv/bin/python -m ops.bench.streams --api-tree /tmp/old --schema 1   # an older API tree
 
 With ``--cluster`` the events live on a private Redis Cluster (3 primaries, 3 replicas, ports
 17100-17105; the test fixture uses 17000-) and arq's queue on a private single redis-server, as a
@@ -65,9 +65,9 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from stream_load import open_client, publisher
-from stream_nodes import Nodes, start_cluster, start_redis
 
+from ops.bench.stream_load import open_client, publisher
+from ops.bench.stream_nodes import Nodes, start_cluster, start_redis
 from services import redis_conn
 from shared import keys
 from shared.codec import encode_entry, encode_event, encode_job
@@ -241,7 +241,7 @@ async def probe(nodes: Nodes, port: int, count: int) -> list[float]:
             await redis.xadd(key, fields)
             return
         entry_id = await primary.xadd(key, fields)  # then the ring, as the script does
-        await primary.execute_command("SPUBLISH", key, entry_id)
+        await primary.execute_command("SPUBLISH", key, entry_id)  # type: ignore[no-untyped-call]
 
     for _ in range(count):
         await asyncio.sleep(0.01)

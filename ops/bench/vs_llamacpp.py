@@ -21,7 +21,7 @@ The whole stack: a private redis-server, ``sluice api`` and ``sluice worker`` (t
 ``--stack-threads``) on the same cores; one streaming ``/v1/chat/completions`` client, decode
 tok/s seen by it vs the engine alone (same dtype, measured in this run).
 
-    .venv/bin/python ops/bench/vs_llamacpp.py --llama-python /tmp/llamavenv/bin/python
+    .venv/bin/python -m ops.bench.vs_llamacpp --llama-python /tmp/llamavenv/bin/python
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from typing import Any
 
 # A sibling file, not a package import: the llama.cpp child runs this script with another
 # venv's python, where only the script's own folder is on sys.path.
-from machine_load import attempts, decode_rate, emit, is_clean, load_probe
+from ops.bench.machine_load import attempts, decode_rate, emit, is_clean, load_probe
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TEXT = (
     "Describe in detail how a small river town changes over one year, covering the weather, "
@@ -152,7 +154,8 @@ def run_llama(
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     proc = subprocess.run(
-        [args.llama_python, __file__, "--llama-child", f.name],
+        [args.llama_python, "-m", "ops.bench.vs_llamacpp", "--llama-child", f.name],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
@@ -379,7 +382,7 @@ def main() -> None:
     for d in args.dtypes:
         rows += run_ours(args, d, args.threads, prompts, args.batches)
     args.prefill = False
-    from stack_run import run_stack  # httpx and the project: the parent process only
+    from ops.bench.stack_run import run_stack  # httpx and the project: the parent process only
 
     for t in args.stack_threads:
         if t != args.threads:

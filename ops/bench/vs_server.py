@@ -21,7 +21,7 @@ records the load average and the CPU that other processes used (``machine_load``
 TYPE`` for each ``--types`` (default Q4_0 Q8_0 Q4_K_M) from the default model (Q4_1) into
 ``--out-dir``; the run then covers the default model and each of them. Never commit the files.
 
-    .venv/bin/python ops/bench/vs_server.py --llama-server /tmp/llama/llama-server \
+    .venv/bin/python -m ops.bench.vs_server --llama-server /tmp/llama/llama-server \
         --llama-quantize /tmp/llama/llama-quantize --out-dir /tmp
 """
 
@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from machine_load import emit, load_probe
+
+from ops.bench.machine_load import emit, load_probe
 
 TEXT = (
     "Describe in detail how a small river town changes over one year, covering the weather, "

@@ -1,0 +1,1 @@
+"""Operations: the launcher and test scripts, the Docker files and the benchmarks."""
