@@ -70,7 +70,6 @@ __all__ = [
     "API_TIMEOUT_OWNER",
     "CLAIM_UNSTARTED",
     "DOORBELL",
-    "JOB_FUNCTION",
     "LEASE_LOST",
     "PUBLISH",
     "RECOVERING",
@@ -83,7 +82,6 @@ __all__ = [
     "ringing",
 ]
 
-JOB_FUNCTION = "generate"  # the arq function name: the API enqueues it, the worker registers it
 
 RECOVERING = "recovering:"  # lease value prefix while a continuation waits for a worker
 API_TIMEOUT_OWNER = "api-timeout"  # the lease value of a timed-out request: never handed over

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
 from ops.bench.stream_nodes import start_redis
+from services.queue.arq_keys import JOB_FUNCTION
 from services.queue.consumer import arq_serialize
 from services.worker.main import load_backend, start_worker
 from shared import keys
@@ -34,7 +35,6 @@ from shared.codec import encode_job
 from shared.config import Settings
 from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
 from shared.prompt import PromptRenderer
-from shared.protocol import JOB_FUNCTION
 
 
 async def one_run(

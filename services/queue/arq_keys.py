@@ -20,8 +20,13 @@ from arq.jobs import serialize_job
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
+# The name the one job function has in arq's envelope: the queue enqueues under it and the
+# consumer registers the worker's function under it, so it never leaves this package.
+JOB_FUNCTION = "generate"
+
 __all__ = [
     "IN_PROGRESS_EXTRA_S",
+    "JOB_FUNCTION",
     "envelope",
     "in_progress",
     "job",

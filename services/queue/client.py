@@ -14,7 +14,6 @@ import msgspec
 
 from services.queue import affinity, arq_keys
 from shared import keys
-from shared.protocol import JOB_FUNCTION
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -120,7 +119,7 @@ class Queue:
         enqueue time (at least 1 ms: arq reads a score of 0 as "no job"). With ``prefix`` (the
         prompt's block hash chain, ``shared.prefix.prompt_chain``) and ``affinity_wait_ms`` > 0,
         the worker holding the longest part of it gets the job first (``affinity.py``)."""
-        body = arq_keys.envelope(JOB_FUNCTION, payload, enqueue_ms, _ENCODE)
+        body = arq_keys.envelope(arq_keys.JOB_FUNCTION, payload, enqueue_ms, _ENCODE)
         keys_ = [keys.queue(model), arq_keys.job(job_id), arq_keys.result(job_id)]
         args: list[Any] = [job_id, body, max(enqueue_ms, 1), expires_ms, bound]
         if prefix is None or affinity_wait_ms <= 0:
@@ -145,7 +144,7 @@ class Queue:
         args: list[Any] = [score, expires_ms, bound]
         for job_id, payload in jobs:
             keys_ += [arq_keys.job(job_id), arq_keys.result(job_id)]
-            args += [job_id, arq_keys.envelope(JOB_FUNCTION, payload, enqueue_ms, _ENCODE)]
+            args += [job_id, arq_keys.envelope(arq_keys.JOB_FUNCTION, payload, enqueue_ms, _ENCODE)]
         return int(await self._enqueue_all(keys_, args))
 
     async def size(self, model: str) -> int:

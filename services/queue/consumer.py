@@ -26,11 +26,11 @@ from arq.worker import Worker, func
 from redis.exceptions import RedisError
 
 from services.queue.affinity import Claims, Holdings
+from services.queue.arq_keys import JOB_FUNCTION
 from services.queue.bell import QueueBell
 from services.queue.client import JOB_TIMEOUT_S, Queue
 from services.queue.poll_backoff import Backoff, PollMark
 from shared import keys
-from shared.protocol import JOB_FUNCTION
 
 __all__ = ["Consumer", "OwnJobsWorker", "arq_deserialize", "arq_serialize"]
 

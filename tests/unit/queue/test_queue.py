@@ -16,10 +16,10 @@ import pytest
 from arq.jobs import deserialize_job_raw
 
 from services.queue import DUPLICATE, ENQUEUED, QUEUE_FULL, Queue, arq_keys
+from services.queue.arq_keys import JOB_FUNCTION
 from services.queue.client import JOB_TIMEOUT_S
 from services.queue.consumer import arq_deserialize
 from shared import keys
-from shared.protocol import JOB_FUNCTION
 
 MODEL = "m"
 EXPIRES_MS = 60_000
