@@ -1,7 +1,8 @@
 """The Redis protocol between the API and the workers: who may write a request's event stream.
 
-Both services speak it, so it lives here with the keys (``shared.keys``): the job function's
-name, the values a request lease can hold, and the Lua scripts that move the lease. Each script
+Both services speak it, so it lives here with the keys (``shared.keys``): the values a request
+lease can hold, and the Lua scripts that move the lease (the queue's own protocol is
+``services.queue``'s). Each script
 touches only one request's keys, which share the ``{rid}`` hash tag, so all of them are valid on
 Redis Cluster too.
 
