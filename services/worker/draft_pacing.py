@@ -40,23 +40,29 @@ Offer = tuple[DraftRecord, int, int]
 class DraftPacer:
     """Decides each step's draft lengths and learns from the verified drafts."""
 
-    # A CPU step's cost in units of one more token row: BASE + PER_SEQ * sequences + rows, the
-    # marginal costs of small batches on the default model (ops/bench/row_cost.py: SmolLM2-135M
-    # Q4_1, 2 threads, 400-token contexts; one row 5.5 ms, one sequence's 5 rows 9.7 ms, 4
-    # sequences' single rows 10.8 ms). Larger batches' rows cost less than this (4 sequences'
-    # 5 rows: 22.9 ms), so there the bar errs on drafting too little, never too much.
-    BASE, PER_SEQ = 3.7, 0.7
-    PRIOR = 0.5  # the chance before anything is known: one draft token likely, four not
+    # A CPU step's cost in units of one more token row: BASE + rows. The unit is what the
+    # first extra row of a sequence costs, the dearest one (ops/bench/row_cost.py, default
+    # model, 2 threads, 400-token contexts: one row 5.5 ms, two 7.0, three 8.1, five 9.7; in a
+    # 4-stream story, one extra row took a step from 9.0 to 10.3 ms). Each sequence's attention
+    # adds to a step with its context, which this leaves out: the bar errs on drafting too
+    # little, never too much.
+    BASE = 2.5
+    # The chance before anything is known, by match length n: 0.2 n up to 0.8 (measured on
+    # the default model: 1-gram drafts 0-19 % accepted, 2-grams 0-50 %, 4-grams 91-100 %). A
+    # fresh 4-gram match is worth a draft in a batch of four, a fresh 1-gram match nowhere.
+    PRIOR_STEP, PRIOR_MAX = 0.2, 0.8
     RATE = 0.3  # weight of a verified token in its sequence's estimate
     SHARED_RATE = 0.05  # ... and in its match length's estimate, shared by every sequence
     # An offer not worth a row moves its match length's shared estimate this share of the way
-    # back to the prior: a length given up on is tried again now and then (every ~30 steps of
-    # 4 streams just under the bar), in case the traffic has changed.
+    # back to the prior: a length given up on (estimate 0.1) is tried again after ~150 steps of
+    # a lone stream, in case the traffic has changed; a sequence's own record of it still
+    # keeps that sequence from trying.
     DRIFT = 0.002
     MAX_REST = 31  # steps a sequence rests, at most, after wholly rejected drafts
 
     def __init__(self, max_n: int) -> None:
-        self.shared = [self.PRIOR] * (max_n + 1)  # by match length
+        self.prior = [min(self.PRIOR_STEP * n, self.PRIOR_MAX) for n in range(max_n + 1)]
+        self.shared = list(self.prior)  # by match length
 
     def chance(self, record: DraftRecord, n: int) -> float:
         """The estimated chance that a token of a draft continuing an ``n``-gram is accepted."""
@@ -73,9 +79,9 @@ class DraftPacer:
                 record.estimates[n] = (mine + self.shared[n]) / 2
         return False
 
-    def allot(self, offers: list[Offer], *, sequences: int, rows: int, tokens: int) -> list[int]:
-        """How many tokens of each offered draft a step of ``sequences`` sequences, ``rows``
-        rows and ``tokens`` tokens to choose (drafts aside) verifies.
+    def allot(self, offers: list[Offer], *, rows: int, tokens: int) -> list[int]:
+        """How many tokens of each offered draft a step of ``rows`` rows and ``tokens`` tokens
+        to choose (drafts aside) verifies.
 
         Draft token ``j`` of an offer whose tokens are accepted with estimated probability ``a``
         is accepted with probability ``a ** j``: that is what its row adds to the step's
@@ -84,7 +90,7 @@ class DraftPacer:
         best first while that holds, so a large batch keeps only drafts likely to be accepted,
         and a lone stream drafts on weaker evidence.
         """
-        expected, cost = float(tokens), self.BASE + self.PER_SEQ * sequences + rows
+        expected, cost = float(tokens), self.BASE + rows
         chances: list[tuple[float, int]] = []  # (a draft token's chance, its offer)
         for i, (record, n, length) in enumerate(offers):
             a = self.chance(record, n)
@@ -97,7 +103,7 @@ class DraftPacer:
             expected, cost = expected + chance, cost + 1
         for (_, n, _), kept in zip(offers, keep, strict=True):
             if not kept:
-                self.shared[n] += self.DRIFT * (self.PRIOR - self.shared[n])
+                self.shared[n] += self.DRIFT * (self.prior[n] - self.shared[n])
         return keep
 
     def learn(self, record: DraftRecord, n: int, drafted: int, accepted: int) -> None:

@@ -120,7 +120,6 @@ class Speculator:
                     offers.append((seq, draft))
         keep = self.pacer.allot(
             [(_record(s), _matched(s), len(d)) for s, d in offers],
-            sequences=len(rows),
             rows=sum(n for _, n in rows),
             tokens=sum(1 for s, n in rows if s.kv_len + n == len(s.tokens)),
         )

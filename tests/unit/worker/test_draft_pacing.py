@@ -10,53 +10,55 @@ from services.worker.draft_pacing import DraftPacer, DraftRecord
 def decode_step(pacer: DraftPacer, offers: list[tuple[DraftRecord, int, int]]) -> list[int]:
     """A step of ``len(offers)`` decoding sequences, one row and one token each."""
     n = len(offers)
-    return pacer.allot(offers, sequences=n, rows=n, tokens=n)
+    return pacer.allot(offers, rows=n, tokens=n)
 
 
 def test_a_row_is_kept_while_its_chance_beats_the_steps_tokens_per_cost() -> None:
     pacer = DraftPacer(4)
-    # alone: cost 3.7 + 0.7 + 1 = 5.4 for 1 token; 0.5 * 5.4 > 1, then 0.25 * 6.4 > 1.5, and
-    # 0.125 * 7.4 < 1.75: two tokens
-    assert decode_step(pacer, [(DraftRecord(), 4, 4)]) == [2]
+    # alone, a fresh 4-gram match (prior 0.8): cost 2.5 + 1 = 3.5 for 1 token; 0.8 * 3.5 > 1,
+    # 0.64 * 4.5 > 1.8, 0.51 * 5.5 > 2.44, then 0.41 * 6.5 < 2.95: three tokens
+    assert decode_step(pacer, [(DraftRecord(), 4, 4)]) == [3]
+    assert decode_step(pacer, [(DraftRecord(), 2, 4)]) == [1]  # prior 0.4
+    assert decode_step(pacer, [(DraftRecord(), 1, 4)]) == [0]  # prior 0.2: never worth a row
     assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(4)]) == [1] * 4
     assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(16)]) == [0] * 16
     copying = DraftRecord(estimates={4: 0.95})
-    assert decode_step(pacer, [(copying, 4, 4), *[(DraftRecord(), 4, 4)] * 15]) == [4] + [0] * 15
+    assert decode_step(pacer, [(copying, 4, 4)] * 4) == [4] * 4
+    assert decode_step(pacer, [(copying, 4, 4), *[(DraftRecord(), 4, 4)] * 15]) == [2] + [0] * 15
     assert decode_step(pacer, [(copying, 4, 2)]) == [2]  # never more than offered
 
 
 def test_prompt_rows_cost_without_yielding_tokens() -> None:
     pacer = DraftPacer(4)
     offer = [(DraftRecord(), 4, 4)]
-    assert pacer.allot(offer, sequences=1, rows=1, tokens=1) == [2]
+    assert pacer.allot(offer, rows=1, tokens=1) == [3]
     # beside a 64-row prompt chunk the step costs far more than its one token: drafting is
     # nearly free, so the whole draft is worth verifying
-    assert pacer.allot(offer, sequences=2, rows=65, tokens=1) == [4]
+    assert pacer.allot(offer, rows=65, tokens=1) == [4]
 
 
 def test_what_a_match_length_teaches_reaches_every_sequence() -> None:
     pacer = DraftPacer(4)
-    for _ in range(20):  # fresh text: single-token matches, always rejected
-        pacer.learn(DraftRecord(), 1, 2, 0)
-    for _ in range(20):  # copying: 4-gram matches, accepted
-        pacer.learn(DraftRecord(), 4, 4, 4)
+    for _ in range(20):  # 2-gram matches, always rejected
+        pacer.learn(DraftRecord(), 2, 2, 0)
+    for _ in range(20):  # 3-gram matches, accepted
+        pacer.learn(DraftRecord(), 3, 4, 4)
     fresh = DraftRecord()
-    assert pacer.chance(fresh, 1) < 0.2 < 0.9 < pacer.chance(fresh, 4)
-    assert decode_step(pacer, [(fresh, 1, 4), (DraftRecord(), 4, 4)]) == [0, 4]
+    assert pacer.chance(fresh, 2) < 0.2 < 0.9 < pacer.chance(fresh, 3)
+    assert decode_step(pacer, [(fresh, 2, 4), (DraftRecord(), 3, 4)]) == [0, 4]
     mine = DraftRecord()
-    pacer.learn(mine, 1, 4, 4)  # this sequence's 1-gram drafts are right: its record counts
-    assert pacer.chance(mine, 1) > pacer.chance(fresh, 1)
+    pacer.learn(mine, 2, 4, 4)  # this sequence's 2-gram drafts are right: its record counts
+    assert pacer.chance(mine, 2) > pacer.chance(fresh, 2)
 
 
-def test_an_unused_length_drifts_back_to_be_tried_again() -> None:
+def test_an_unused_length_drifts_back_to_its_prior_to_be_tried_again() -> None:
     pacer = DraftPacer(4)
     for _ in range(40):
-        pacer.learn(DraftRecord(), 1, 1, 0)
-    low = pacer.shared[1]
-    steps = 0
-    while not decode_step(pacer, [(DraftRecord(), 1, 4)] * 4)[0]:
+        pacer.learn(DraftRecord(), 3, 1, 0)
+    low, steps = pacer.shared[3], 0
+    while not decode_step(pacer, [(DraftRecord(), 3, 4)])[0] and steps < 10_000:
         steps += 1
-    assert pacer.shared[1] > low and 20 < steps < 2000
+    assert low < pacer.shared[3] < pacer.prior[3] and 20 < steps < 2000
 
 
 def test_wholly_rejected_drafts_rest_the_sequence_longer_each_time() -> None:
@@ -75,7 +77,7 @@ def test_wholly_rejected_drafts_rest_the_sequence_longer_each_time() -> None:
         lengths.append(rests())
     assert lengths == [1, 3, 7, 15, 31, 31, 31]
     before = record.estimates[4]
-    pacer.learn(record, 4, 2, 1)  # one accepted: no rest
+    pacer.learn(record, 4, 2, 2)  # accepted: no rest
     assert rests() == 0 and record.misses == 0 and record.estimates[4] > before
     pacer.learn(record, 4, 2, 0)
     assert rests() == 1

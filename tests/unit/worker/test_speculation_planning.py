@@ -116,10 +116,9 @@ def test_the_step_and_the_match_set_the_length() -> None:
         return [n - 1 for _, n in Speculator(4).propose(p.plan(), p, context_length=1024)]
 
     sure, unsure = dict.fromkeys(range(1, 5), 0.95), dict.fromkeys(range(1, 5), 0.5)
-    assert drafts([unsure]) == [2]
-    assert drafts([unsure] * 4) == [1] * 4
-    assert drafts([unsure] * 16) == [0] * 16
-    assert drafts([sure] + [unsure] * 15) == [4] + [0] * 15
+    assert drafts([sure]) == [4] and drafts([unsure]) == [1]
+    assert drafts([sure] * 4) == [4] * 4 and drafts([unsure] * 4) == [0] * 4
+    assert drafts([sure] + [unsure] * 15) == [2] + [0] * 15
     # "1" ends REPEAT + [1]: the match is the 4-gram "5 6 7 1"; only that length's record counts
     assert drafts([{4: 0.95, 1: 0.1}]) == [4] and drafts([{4: 0.1, 1: 0.95}]) == [0]
 
@@ -127,7 +126,7 @@ def test_the_step_and_the_match_set_the_length() -> None:
 def test_misses_make_a_sequence_rest_and_hits_lengthen_its_drafts() -> None:
     p, s = decoding(REPEAT)
     spec = Speculator(4, max_n=1)  # every draft continues a 1-gram: one estimate to follow
-    s.pace = DraftRecord(estimates={1: 0.5})
+    s.pace = DraftRecord(estimates={1: 0.7})
 
     def one_step(accept: int, chosen: int) -> int:
         """Plan with drafts; the model keeps ``accept`` draft tokens (-1: all) then chooses
@@ -143,9 +142,9 @@ def test_misses_make_a_sequence_rest_and_hits_lengthen_its_drafts() -> None:
             spec.verified(s, accept, p)
         return n
 
-    assert one_step(0, 9) == 3  # two draft tokens (a 0.5 estimate), both rejected: 0.35
-    assert one_step(0, 1) == 1  # rests one step, then halfway back to the shared 0.475
+    assert one_step(0, 9) == 3  # two draft tokens (a 0.7 estimate), both rejected: 0.49
+    assert one_step(0, 1) == 1  # rests one step, then halfway to the shared 1-gram 0.19: 0.34
     widths = [one_step(-1, 5) - 1 for _ in range(4)]  # each accepted in full
-    assert widths == [1, 2, 4, 4]  # the estimate climbs (0.59, 0.79, 0.98 ..), up to k
-    assert one_step(1, 9) == 5 and one_step(-1, 5) == 4  # a miss after one token: 0.7, 3
-    assert spec.stats.drafts == 7 and spec.stats.accepted_tokens == 11 + 1 + 3
+    assert widths == [1, 1, 2, 4]  # the estimate climbs (0.54, 0.68, 0.84 ..), up to k
+    assert one_step(1, 9) == 5 and one_step(-1, 5) == 3  # a miss after one token: 0.7 again
+    assert spec.stats.drafts == 7 and spec.stats.accepted_tokens == 8 + 1 + 2
