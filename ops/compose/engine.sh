@@ -14,12 +14,6 @@ ENGINE_PID=""
 ENGINE_EXEC=""
 INDEX_PID=""
 
-# engine_can_start: exit 0 when an engine answers or this machine can start one.
-engine_can_start() {
-    docker info >/dev/null 2>&1 && return 0
-    [[ "$(id -u)" == 0 ]] && { command -v dockerd >/dev/null 2>&1 || command -v apt-get >/dev/null 2>&1; }
-}
-
 # engine_start SCRATCH: use the engine DOCKER_HOST names if one answers; otherwise start a
 # private dockerd (socket and exec root in SCRATCH, data root in the cache so base images and
 # build layers outlive the run). iptables and masquerading stay off so the host's firewall is
@@ -98,6 +92,8 @@ _image() {
         [[ -z "$label" || "$label" == "<no value>" || "$label" == "$key" ]] && return 0
     fi
     timeout 120 docker pull -q "$name" >/dev/null 2>&1 && return 0
+    # Stand-ins under the real names only in the private engine, never in one a user runs.
+    [[ -n "$ENGINE_PID" ]] || die "$name cannot be pulled into the engine at $DOCKER_HOST"
     _rootfs
     log "$name cannot be pulled: making a stand-in from Debian bookworm packages"
     printf '%s\nLABEL %s=%s\n' "$recipe" "$STANDIN_LABEL" "$key" |

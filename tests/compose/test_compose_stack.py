@@ -1,14 +1,13 @@
 """`docker compose`, for real: ./ops/compose-test on a container engine, with the default model.
 
-It runs where an engine answers (``docker info``) or this machine can start one (root, with
-``dockerd`` or ``apt-get`` to install Debian's docker.io); elsewhere it skips with the reason, and
-under ``CI=true`` that is a failure, so CI cannot go green by not checking. Its budget, measured
-on a 2-core machine: 4.5 minutes from a cold cache (/var/cache/sluice-compose: debootstrap, the
-base images, the torch index, every layer), 3.5 with the cache warm and the project's layers
-rebuilt (a CI run after a commit), 2.7 with nothing to rebuild; 6.2 once with the machine's load
-at 6-7. The 25-minute timeout is for a slow machine, not the budget. The report (image sizes, the
-time from ``up`` to the first answer, how each README line ran) is kept in
-run/compose-report.json.
+It runs where the engine DOCKER_HOST names answers or this machine can start a private one (root,
+with ``dockerd`` or ``apt-get`` to install Debian's docker.io); elsewhere it skips with the reason,
+and under ``CI=true`` that is a failure, so CI cannot go green by not checking. Its budget, measured
+on a 2-core machine: 4.5 minutes from a cold cache (/var/cache/sluice-compose: debootstrap, the base
+images, the torch index, every layer), 3.5 with the cache warm and the project's layers rebuilt (a
+CI run after a commit), 2.7 with nothing to rebuild; 6.2 once with the machine's load at 6-7. The
+25-minute timeout is for a slow machine, not the budget. The report (image sizes, the time from
+``up`` to the first answer, how each README line ran) is kept in run/compose-report.json.
 """
 
 from __future__ import annotations
@@ -28,15 +27,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _no_engine_reason() -> str | None:
-    """Why no engine can be had here, or None when one answers or can be started."""
-    if shutil.which("docker"):
+    """Why the script can have no engine here, or None (it uses DOCKER_HOST's or starts one)."""
+    if os.environ.get("DOCKER_HOST") and shutil.which("docker"):
         probe = subprocess.run(["docker", "info"], capture_output=True, check=False, timeout=30)
         if probe.returncode == 0:
             return None
     if os.geteuid() != 0:
-        return "no container engine answers, and starting one needs root"
+        return "no engine answers at DOCKER_HOST, and starting a private one needs root"
     if not (shutil.which("dockerd") or shutil.which("apt-get")):
-        return "no container engine, and neither dockerd nor apt-get to install docker.io"
+        return "no engine at DOCKER_HOST, and neither dockerd nor apt-get to install docker.io"
     return None
 
 
