@@ -2,12 +2,11 @@
 
 Runs the default model's forward (the C kernels, ``--threads`` threads) on hand-built batches
 over a filled paged cache: one sequence with 1-5 rows (a decode row and draft rows), 4 and 8
-sequences with 1-5 rows each. ``speculation.Speculator`` models a step as ``BASE + PER_SEQ *
-sequences + rows`` row units, with the small batches' marginal costs (printed last as
-``small``: a row from one sequence's 1 and 5 rows, a sequence from 4 single rows against one
-sequence's 4): rows get cheaper as a batch grows, so the least-squares line over every shape
-(``fit``) puts more in the base, and using it would draft more in the small batches where
-speculation is decided. Prints one JSON object per shape (median and minimum of ``--repeats``):
+sequences with 1-5 rows each. ``draft_pacing.DraftPacer`` models a step as ``BASE + rows`` in
+units of a sequence's first extra row, the dearest (printed last as ``pacer``: the unit from one
+sequence's 1 and 2 rows); the least-squares line over every shape (``fit``) is printed beside it
+with its per-sequence term: rows get cheaper as a batch grows, and each sequence's attention
+adds with its context. Prints one JSON object per shape (median and minimum of ``--repeats``):
 
     .venv/bin/python ops/bench/row_cost.py --threads 2 --context 400
 """
@@ -67,21 +66,15 @@ def main() -> None:
     x = torch.tensor([[1.0, s, r] for s, r, _ in measured], dtype=torch.float64)
     y = torch.tensor([t for _, _, t in measured], dtype=torch.float64)
     base, per_seq, per_row = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.flatten().tolist()
-    row = (by_shape["[5]"] - by_shape["[1]"]) / 4
-    seq = (by_shape["[1, 1, 1, 1]"] - by_shape["[4]"]) / 3
-    small = {"base": by_shape["[1]"] - seq - row, "per_seq": seq, "per_row": row}
     fit = {"base": base, "per_seq": per_seq, "per_row": per_row}
-    for name, model_ms in (("fit", fit), ("small", small)):
-        unit = model_ms["per_row"]
-        emit(
-            {
-                name: {k: round(v * 1e3, 2) for k, v in model_ms.items()},
-                "in_rows": {
-                    "BASE": round(model_ms["base"] / unit, 2),
-                    "PER_SEQ": round(model_ms["per_seq"] / unit, 2),
-                },
-            }
-        )
+    unit = by_shape["[2]"] - by_shape["[1]"]
+    emit({"pacer": {"unit_ms": round(unit * 1e3, 2), "BASE": round(by_shape["[1]"] / unit - 1, 2)}})
+    emit(
+        {
+            "fit_ms": {k: round(v * 1e3, 2) for k, v in fit.items()},
+            "in_rows": {"base": round(base / per_row, 2), "per_seq": round(per_seq / per_row, 2)},
+        }
+    )
 
 
 if __name__ == "__main__":
