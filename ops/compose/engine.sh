@@ -14,6 +14,25 @@ ENGINE_PID=""
 ENGINE_EXEC=""
 INDEX_PID=""
 
+# cache_lock: take the cache for this run (a second run on this machine waits for the first),
+# then stop what a killed run left behind: holding the lock, an engine on this data root or an
+# index serving this cache is an orphan (the run's containers, restarted with its engine, go
+# with the `down` before the build). The long-lived children close the lock's descriptor, or an
+# orphan would hold the lock forever.
+cache_lock() {
+    local name stale
+    mkdir -p "$COMPOSE_CACHE"
+    exec 9>"$COMPOSE_CACHE/lock"
+    flock 9
+    for name in dockerd index; do
+        stale="$(cat "$COMPOSE_CACHE/$name.pid" 2>/dev/null || true)"
+        if [[ -n "$stale" ]] && grep -qs -- "$COMPOSE_CACHE" "/proc/$stale/cmdline"; then
+            log "stopping an orphaned $name ($stale)"
+            kill "$stale" && while kill -0 "$stale" 2>/dev/null; do sleep 0.5; done
+        fi
+    done
+}
+
 # engine_start SCRATCH: use the engine DOCKER_HOST names if one answers; otherwise start a
 # private dockerd (socket and exec root in SCRATCH, data root in the cache so base images and
 # build layers outlive the run). iptables and masquerading stay off so the host's firewall is
@@ -29,15 +48,12 @@ engine_start() {
     ensure_tool dockerd docker.io || die "no dockerd (apt-get install docker.io)"
     ensure_tool docker-compose docker-compose || die "no docker-compose"
     mkdir -p "$COMPOSE_CACHE/docker"
-    # One engine per data root: a second run on this machine waits for the first.
-    exec 9>"$COMPOSE_CACHE/lock"
-    flock 9
     # Debian's client, matching the engine; another docker earlier on PATH may be newer.
     [[ -x /usr/bin/docker ]] && export PATH="/usr/bin:$PATH"
     dockerd --data-root "$COMPOSE_CACHE/docker" --exec-root "$scratch/exec" \
-        --pidfile "$scratch/dockerd.pid" -H "unix://$scratch/docker.sock" \
+        --pidfile "$COMPOSE_CACHE/dockerd.pid" -H "unix://$scratch/docker.sock" \
         --storage-driver overlay2 --iptables=false --ip-masq=false \
-        >"$scratch/dockerd.log" 2>&1 &
+        >"$scratch/dockerd.log" 2>&1 9>&- &
     ENGINE_PID=$!
     ENGINE_EXEC="$scratch/exec"
     export DOCKER_HOST="unix://$scratch/docker.sock"
@@ -213,8 +229,10 @@ except OSError:
 print(s.getsockname()[1])
 EOF
 )"
-    "$PY" -m http.server --bind 127.0.0.1 --directory "$dir" "$port" >"$scratch/index.log" 2>&1 &
+    "$PY" -m http.server --bind 127.0.0.1 --directory "$dir" "$port" \
+        >"$scratch/index.log" 2>&1 9>&- &
     INDEX_PID=$!
+    echo "$INDEX_PID" >"$COMPOSE_CACHE/index.pid"
     for _ in $(seq 50); do
         curl -fs -o /dev/null "http://127.0.0.1:$port/simple/torch/" && break
         sleep 0.1

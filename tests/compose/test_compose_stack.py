@@ -50,15 +50,22 @@ def test_compose_stack() -> None:
     report_file.parent.mkdir(exist_ok=True)
     report_file.unlink(missing_ok=True)
     env = {**os.environ, "SLUICE_COMPOSE_REPORT": str(report_file)}
-    out = subprocess.run(
+    with subprocess.Popen(
         [str(ROOT / "ops" / "compose-test")],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        check=False,
-        timeout=1440,
-    )
-    assert out.returncode == 0, out.stderr[-12000:]
+    ) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=1440)
+        except subprocess.TimeoutExpired:
+            # SIGTERM, so its trap removes the stack and stops its engine (a SIGKILL would leave
+            # them to the next run, which stops an orphaned engine before it starts).
+            proc.terminate()
+            _, stderr = proc.communicate(timeout=180)
+            pytest.fail(f"ops/compose-test ran past 24 minutes: {stderr[-12000:]}")
+    assert proc.returncode == 0, stderr[-12000:]
     report = json.loads(report_file.read_text())
     numbers = report["report"]
     for key in ("build_s", "up_to_first_answer_s", "total_s"):
