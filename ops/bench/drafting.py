@@ -8,7 +8,7 @@ length: the first draft's time (it takes in the whole prompt), the later drafts'
 the index's memory after the prompt (tracemalloc, in a separate pass: tracing slows numpy) and
 how many drafts equal what the copy goes on with:
 
-    .venv/bin/python ops/bench/drafting.py --prompt 700 8000
+    .venv/bin/python -m ops.bench.drafting --prompt 700 8000
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from machine_load import emit  # ops/bench is the script's directory: on sys.path
-
+from ops.bench.machine_load import emit
 from services.worker.drafting import NgramIndex
 from services.worker.loaders import load_model
 

@@ -8,7 +8,7 @@ sequence's 1 and 2 rows); the least-squares line over every shape (``fit``) is p
 with its per-sequence term: rows get cheaper as a batch grows, and each sequence's attention
 adds with its context. Prints one JSON object per shape (median and minimum of ``--repeats``):
 
-    .venv/bin/python ops/bench/row_cost.py --threads 2 --context 400
+    .venv/bin/python -m ops.bench.row_cost --threads 2 --context 400
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 import torch
-from machine_load import emit, load_probe  # ops/bench is the script's directory: on sys.path
 
+from ops.bench.machine_load import emit, load_probe
 from services.worker.kv_cache import SeqRows, build_batch
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings

@@ -8,7 +8,7 @@ one loaded model (the speculator is detached for the "off" runs), so both see th
 Greedy output is the same either way; the runs check that too. Prints one JSON object per
 measurement:
 
-    .venv/bin/python ops/bench/speculative.py --threads 2 --tokens 256 --concurrency 1 4
+    .venv/bin/python -m ops.bench.speculative --threads 2 --tokens 256 --concurrency 1 4
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine_load import emit, load_probe  # ops/bench is the script's directory: on sys.path
 
+from ops.bench.machine_load import emit, load_probe
 from services.worker.speculation import Speculator
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
