@@ -78,7 +78,8 @@ class Scheduler:
         ``model_id`` salts the prefix cache's hashes; ``constrainer`` fills the token masks of
         sequences that carry a ``constraint``; ``cuda_graphs`` replays decode steps on a GPU
         from graphs captured by ``start`` (``cuda_graphs.DecodeGraphs``); ``speculative_tokens``
-        > 0 verifies that many prompt-lookup draft tokens a step (``speculation.py``, CPU only).
+        > 0 verifies that many prompt-lookup draft tokens a step (``speculation.py``; the CPU
+        kernels only).
         """
         self.constrainer = constrainer
         cfg = cast(LlamaConfig, model.config)  # LlamaModel or a test double with its config
@@ -107,8 +108,11 @@ class Scheduler:
         )
         on_gpu = device.type == "cuda"
         self.chooser = TokenChooser(eos_ids, tokenizer, on_device=on_gpu)
-        on = speculative_tokens > 0 and not on_gpu
+        # token-exact only where a row's logits do not depend on the rows beside it
+        on = speculative_tokens > 0 and not on_gpu and getattr(model, "batch_invariant", False)
         self.speculator = Speculator(speculative_tokens) if on else None
+        if speculative_tokens and not on:
+            log.info("speculative decoding off: this model's rows are not batch-invariant")
         self.graphs: DecodeGraphs | None = None
         if on_gpu and cuda_graphs and self.cache.paged_kernel:
             width = -(-min(self.context_length, self.cache.tokens) // block_size)
