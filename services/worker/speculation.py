@@ -25,8 +25,9 @@ Structured output speculates too: a draft is first cut to what the grammar allow
 ``j + 1``'s as if the draft's first ``j + 1`` tokens were chosen (llguidance consumes them and
 rolls the matcher back, ``Constrainer.begin``); a row is only read while the draft is accepted,
 so its mask is the one a one-token step would have used, and the matcher itself only ever
-consumes chosen tokens. Not speculated: prompts still being read, and the GPU path (its batched
-chooser and replayed decode graphs take one row per sequence).
+consumes chosen tokens. Not speculated: prompts still being read, the GPU path (its batched
+chooser and replayed decode graphs take one row per sequence), and models whose rows are not
+batch-invariant (the scheduler builds a ``Speculator`` only for the CPU kernels).
 
 When to draft, and how much, is ``draft_pacing.DraftPacer``'s: each draft row is weighed
 against the step it joins, by the draft's estimated chance of acceptance.
