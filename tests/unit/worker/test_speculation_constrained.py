@@ -12,7 +12,7 @@ import pytest
 
 from services.worker.constrain import ConstraintState
 from services.worker.torch_backend import TorchBackend
-from shared.jobs import Constraint, ReasoningControl, SamplingParams
+from shared.jobs import Constraint, ReasoningControl, SamplingParams, ToolChoice, ToolDef
 from tests.unit.worker.test_speculation import MODELS, _job, _prompts, _run, _stats, pair
 
 __all__ = ["pair"]  # the fixture, shared with test_speculation
@@ -93,3 +93,43 @@ async def test_constrained_and_free_streams_speculate_side_by_side(
     ]
     assert await batch(spec, "s") == want
     assert await batch(plain, "p") == want
+
+
+WEATHER = ToolDef(
+    name="get_weather",
+    parameters={
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+)
+
+
+@pytest.mark.parametrize("pair", [MODELS[1]], indirect=True)
+async def test_a_reasoning_budget_and_a_forced_tool_call_match(
+    pair: tuple[TorchBackend, TorchBackend],
+) -> None:
+    """Qwen3's model opens a reasoning block at once and stays in it: a budget forces the close
+    marker (a forced row ends a draft that did not propose it), and the answer after it is
+    free; a required tool call is a grammar in the model's own syntax, parsed into events."""
+    plain, spec = pair
+    _, repeating = _prompts()
+    budget = ReasoningControl(budget_tokens=6, explicit=True)
+    tool: dict[str, object] = {"tools": [WEATHER], "tool_choice": ToolChoice(mode="required")}
+    cases: list[dict[str, object]] = [
+        {"reasoning": budget, "sampling": GREEDY, "max_tokens": 48},
+        *(
+            {**tool, "reasoning": NO_THINKING, "sampling": SamplingParams(temperature=1.0, seed=n)}
+            for n in range(3)
+        ),
+    ]
+    before = _stats(spec).accepted_tokens
+    for i, fields in enumerate(cases):
+        want = await _run(plain, _job(repeating, f"p{i}", **fields))
+        assert (await _run(spec, _job(repeating, f"s{i}", **fields))) == want, fields
+        if "tools" in fields:
+            assert want[2] == "tool_use", want
+        else:
+            assert want[1], want  # the forced close ended the block: an answer followed
+    assert _stats(spec).accepted_tokens > before
