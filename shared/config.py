@@ -118,7 +118,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # sequence's continuation of the latest earlier occurrence of its last tokens is verified in
     # the same forward, and the model's own tokens are kept (output unchanged, token for token).
     # On by default: drafts are verified only where the batch gains by them, so a copy runs
-    # faster and fresh text runs as fast (docs/benchmarks.md, *Speculative decoding*).
+    # faster and fresh text about as fast (docs/benchmarks.md, *Speculative decoding*).
     speculative: bool = True
     # SLUICE_SPECULATIVE_TOKENS: draft tokens verified per sequence and step (k).
     speculative_tokens: int = 4
