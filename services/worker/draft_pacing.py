@@ -79,6 +79,19 @@ class DraftPacer:
                 record.estimates[n] = (mine + self.shared[n]) / 2
         return False
 
+    def hopeless(self, record: DraftRecord, *, rows: int, tokens: int) -> bool:
+        """Whether no draft of the sequence can be worth a row in a step of ``rows`` rows and
+        ``tokens`` tokens: ``allot`` would keep none (its bar only rises as rows are added), so
+        the sequence need not look for one, which costs ~20 us a sequence and step. Every
+        length's shared estimate then drifts as an unused offer's does."""
+        bar = tokens / (self.BASE + rows)
+        lengths = range(1, len(self.shared))
+        if any(self.chance(record, n) > bar for n in lengths):
+            return False
+        for n in lengths:
+            self.shared[n] += self.DRIFT * (self.prior[n] - self.shared[n])
+        return True
+
     def allot(self, offers: list[Offer], *, rows: int, tokens: int) -> list[int]:
         """How many tokens of each offered draft a step of ``rows`` rows and ``tokens`` tokens
         to choose (drafts aside) verifies.

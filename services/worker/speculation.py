@@ -105,9 +105,14 @@ class Speculator:
         step's token budget and the pool's free blocks: a draft never preempts anyone, and
         never outgrows ``max_new`` or the context."""
         offers: list[tuple[SequenceState, list[int]]] = []
+        step = {
+            "rows": sum(n for _, n in rows),
+            "tokens": sum(1 for s, n in rows if s.kv_len + n == len(s.tokens)),
+        }
         for seq, n in rows:
             seq.draft = []
-            if n == 1 and self._eligible(seq) and self._due(seq):
+            eligible = n == 1 and self._eligible(seq) and self._due(seq)
+            if eligible and not self.pacer.hopeless(_record(seq), **step):
                 assert seq.drafter is not None
                 room = min(
                     self.k,
@@ -119,11 +124,7 @@ class Speculator:
                     draft = draft[: seq.constraint.admits(draft)]
                 if draft:
                     offers.append((seq, draft))
-        keep = self.pacer.allot(
-            [(_record(s), _matched(s), len(d)) for s, d in offers],
-            rows=sum(n for _, n in rows),
-            tokens=sum(1 for s, n in rows if s.kv_len + n == len(s.tokens)),
-        )
+        keep = self.pacer.allot([(_record(s), _matched(s), len(d)) for s, d in offers], **step)
         budget = planner.max_batched_tokens - sum(n for _, n in rows)
         for (seq, draft), d in zip(offers, keep, strict=True):
             draft = draft[: min(d, budget)]

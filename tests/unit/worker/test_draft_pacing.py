@@ -81,3 +81,19 @@ def test_wholly_rejected_drafts_rest_the_sequence_longer_each_time() -> None:
     assert rests() == 0 and record.misses == 0 and record.estimates[4] > before
     pacer.learn(record, 4, 2, 0)
     assert rests() == 1
+
+
+def test_a_sequence_that_cannot_draft_a_row_worth_it_is_not_searched() -> None:
+    """``hopeless`` agrees with ``allot``: true exactly when no length's chance beats the step's
+    starting bar, and then every length drifts as an unused offer's would."""
+    pacer = DraftPacer(4)
+    fresh, copying = DraftRecord(), DraftRecord(estimates={4: 0.95})
+    for n in (1, 4, 16):
+        offers = [(fresh, m, 4) for m in range(1, 5)]
+        none_kept = not any(pacer.allot(offers, rows=n, tokens=n))
+        assert pacer.hopeless(fresh, rows=n, tokens=n) == none_kept == (n == 16)
+        assert not pacer.hopeless(copying, rows=n, tokens=n)
+    for _ in range(40):
+        pacer.learn(DraftRecord(), 4, 1, 0)
+    low = pacer.shared[4]
+    assert pacer.hopeless(DraftRecord(), rows=16, tokens=16) and pacer.shared[4] > low
