@@ -5,10 +5,13 @@ Runs the real ``TorchBackend`` on the default model, greedy with EOS honoured up
 whole with one rename), a quote (a passage of the prompt to be repeated) and a fresh story. At
 each concurrency the same jobs run with speculation off and on, alternating, in one process on
 one loaded model (the speculator is detached for the "off" runs), so both see the same machine.
-Greedy output is the same either way; the runs check that too. Prints one JSON object per
-measurement:
+Greedy output is the same either way; the runs check that too. With ``--llama-server PATH``,
+llama-server then runs the same workloads on the same GGUF with no speculation and with its
+n-gram modes (``speculative_llama.py``), and our "on" rate is set against its best. Prints one
+JSON object per measurement:
 
     .venv/bin/python -m ops.bench.speculative --threads 2 --tokens 256 --concurrency 1 4
+    .venv/bin/python -m ops.bench.speculative --llama-server build/bin/llama-server
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 import torch
 
 from ops.bench.machine_load import emit, load_probe
+from ops.bench.speculative_llama import llama_rows
+from services.worker.loaders import default_model_path
 from services.worker.speculation import Speculator
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
@@ -81,7 +86,9 @@ async def run(b: TorchBackend, jobs: list[Job]) -> tuple[float, list[list[int]]]
     return sum(len(r[2]) - 1 for r in runs) / span, [r[2] for r in runs]
 
 
-async def bench(args: argparse.Namespace) -> None:
+async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
+    """Measure every workload at every concurrency; returns the "on" rate of each."""
+    best: dict[tuple[str, int], float] = {}
     b = TorchBackend.load(
         Settings(
             threads=args.threads,
@@ -128,6 +135,7 @@ async def bench(args: argparse.Namespace) -> None:
                     )
                 )
                 off, on = max(rates["off"]), max(rates["on"])
+                best[name, c] = on
                 emit(
                     {
                         "workload": name,
@@ -160,6 +168,43 @@ async def bench(args: argparse.Namespace) -> None:
                 )
     finally:
         await b.stop()
+    return best
+
+
+def against_llama(args: argparse.Namespace, ours: dict[tuple[str, int], float]) -> None:
+    """llama-server on the same GGUF and workloads, each of its modes, then our "on" rate
+    against its best n-gram mode and against it with no speculation."""
+    gguf = default_model_path() if args.model == "smollm2" else Path(args.model)
+    workloads = {k: v for k, v in prompts().items() if k in args.workloads}
+    probe: dict[str, Any] = {}
+    with load_probe([], probe):
+        rows = llama_rows(
+            args.llama_server,
+            gguf,
+            workloads,
+            args.concurrency,
+            threads=args.threads,
+            tokens=args.tokens,
+            repeats=args.repeats,
+        )
+    for row in rows:
+        emit(row)
+    emit({"llama_load": probe})
+    for (name, c), on in ours.items():
+        theirs = {
+            r["mode"]: r["tok_s"] for r in rows if (r["workload"], r["concurrency"]) == (name, c)
+        }
+        mode = max((m for m in theirs if m != "none"), key=lambda m: theirs[m])
+        emit(
+            {
+                "workload": name,
+                "concurrency": c,
+                "sluice_on_tok_s": round(on, 1),
+                "llama_best_ngram": mode,
+                "vs_llama_best_ngram": round(on / theirs[mode], 2),
+                "vs_llama_none": round(on / theirs["none"], 2),
+            }
+        )
 
 
 def main() -> None:
@@ -174,10 +219,15 @@ def main() -> None:
     parser.add_argument(
         "--workloads", nargs="+", default=["code_edit", "quote", "story"], help="which to run"
     )
+    parser.add_argument(
+        "--llama-server", help="also measure this llama-server binary (speculative_llama.py)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     emit({"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "k": args.k}})
-    asyncio.run(bench(args))
+    ours = asyncio.run(bench(args))
+    if args.llama_server:
+        against_llama(args, ours)
 
 
 if __name__ == "__main__":
