@@ -116,7 +116,7 @@ async def _admit(
 ) -> Job:
     if not 1 <= job.n // job.prompts <= state.settings.max_n:
         raise InvalidRequest(f"n must be between 1 and {state.settings.max_n}", param="n")
-    if job.n > state.settings.queue_max:
+    if job.n > 1 and job.n > state.settings.queue_max:
         # all or nothing, so a batch larger than the queue could never be admitted: say so now
         raise InvalidRequest(
             f"{job.n} completions in one request exceed the queue's {state.settings.queue_max}",

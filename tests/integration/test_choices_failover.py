@@ -9,6 +9,8 @@ run, counted as one lost attempt each.
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -74,5 +76,10 @@ async def test_a_lost_choice_ends_the_answer_and_cancels_the_others(
         with pytest.raises(openai.APIError, match="worker"):
             async for _ in stream:
                 pass
-    for i in range(2):
-        assert await redis.exists(keys.cancel(choice_id(rid, i)))
+    # The API raises the flags in the background as it ends the answer: wait for them.
+    flags = [keys.cancel(choice_id(rid, i)) for i in range(2)]
+    for _ in range(100):
+        if await redis.exists(*flags) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert await redis.exists(*flags) == 2
