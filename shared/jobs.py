@@ -184,6 +184,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # markers included. A raw prompt has no chat turns, so there is no reasoning block or tool
     # call to route apart; the worker decodes without its reasoning router and tool parser.
     raw_text: bool = False
+    # False: this request never speculates (``SLUICE_SPECULATIVE`` on): its tokens are the same
+    # either way, but a client may prefer one token per step's steady pacing to bursts.
+    speculative: bool = True
     # How many choices the request asked for (Chat's and legacy Completions' ``n``). Each choice
     # is a job of its own, with its own stream, lease and failover (``choice_id``); the API
     # merges the streams into ``choices[i]``. ``choice``: which of them this job generates.

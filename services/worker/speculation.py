@@ -134,7 +134,7 @@ class Speculator:
 
     @staticmethod
     def _eligible(seq: SequenceState) -> bool:
-        return seq.decoder is not None and seq.to_compute == 1
+        return seq.decoder is not None and seq.to_compute == 1 and seq.job.speculative
 
     def _due(self, seq: SequenceState) -> bool:
         if seq.drafter is None:

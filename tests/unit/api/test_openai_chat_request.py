@@ -279,3 +279,10 @@ def test_reasoning_format_inline_shows_reasoning_in_content(value: str, inline: 
 
 def test_an_unknown_reasoning_format_is_refused() -> None:
     assert "inline" in rejects({"reasoning_format": "raw"}, "reasoning_format").message
+
+
+def test_speculative_false_opts_the_request_out() -> None:
+    """sluice's extension field: declared, so it is not listed as ignored."""
+    assert parse({}).job.speculative is True
+    parsed = parse({"speculative": False})
+    assert parsed.job.speculative is False and "speculative" not in parsed.ignored_fields

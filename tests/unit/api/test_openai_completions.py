@@ -325,3 +325,8 @@ def test_token_strings_decode_each_id() -> None:
     r = renderer()
     ids = echo_ids(r, "Hello world")
     assert "".join(token_strings(r.tokenizer, ids)) == "Hello world"
+
+
+def test_speculative_false_opts_the_request_out() -> None:
+    assert parse_request(body(), request_id="r").job.speculative is True
+    assert parse_request(body(speculative=False), request_id="r").job.speculative is False

@@ -219,3 +219,23 @@ async def test_metrics_count_drafts_and_accepted_tokens(
         await asyncio.sleep(0.01)
     assert stats.accepted_tokens > 0
     assert counted() == want
+
+
+@pytest.mark.parametrize("pair", [MODELS[1]], indirect=True)
+async def test_a_request_that_opts_out_never_speculates(
+    pair: tuple[TorchBackend, TorchBackend],
+) -> None:
+    """``speculative: false`` on the job (the wire formats' extension field): no draft for it,
+    the same tokens; the same prompt without the field drafts at once."""
+    plain, spec = pair
+    _, repeating = _prompts()
+    greedy0 = SamplingParams(temperature=0.0)
+    want = await _run(plain, _job(repeating, "plain", sampling=greedy0, max_tokens=24))
+    before = _stats(spec).drafts
+    got = await _run(
+        spec, _job(repeating, "off", sampling=greedy0, max_tokens=24, speculative=False)
+    )
+    assert got == want and _stats(spec).drafts == before
+    spec.scheduler.clear_prefix_cache()
+    again = await _run(spec, _job(repeating, "on", sampling=greedy0, max_tokens=24))
+    assert again == want and _stats(spec).drafts > before

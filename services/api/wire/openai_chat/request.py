@@ -111,6 +111,7 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     chat_template_kwargs: JsonObject | None = None
     ignore_eos: bool | None = None
     min_tokens: WireInt | None = None
+    speculative: bool | None = None  # sluice's extension: false turns speculation off
     user: str | None = None
     metadata: dict[str, str] | None = None
     modalities: list[str] | None = None  # ["text"] is all sluice answers with
@@ -187,6 +188,7 @@ def parse_request(
         max_tokens=_max_tokens(req),
         min_tokens=_non_negative(req.min_tokens, "min_tokens"),
         ignore_eos=bool(req.ignore_eos),
+        speculative=req.speculative is not False,
         stop=_stop(req.stop),
         chat_template_kwargs=kwargs,
         reasoning=_reasoning(req.reasoning_effort, include_reasoning, kwargs, inline=inline),

@@ -64,6 +64,7 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=False):
     user: str | None = None
     ignore_eos: bool | None = None
     min_tokens: WireInt | None = None
+    speculative: bool | None = None  # sluice's extension: false turns speculation off
 
 
 class CompletionOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +125,7 @@ def parse_request(body: bytes, *, request_id: str) -> ParsedCompletion:
         max_tokens=req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS,
         min_tokens=req.min_tokens or 0,
         ignore_eos=bool(req.ignore_eos),
+        speculative=req.speculative is not False,
         stop=_stop(req.stop),
         # Nobody reads reasoning apart here: the text keeps the model's markers (``raw_text``).
         reasoning=ReasoningControl(visible=True),
