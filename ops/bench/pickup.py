@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +38,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from arq.connections import ArqRedis
 
+from ops.bench.stream_nodes import start_redis
 from services.queue import Queue
 from services.queue.consumer import arq_deserialize, arq_serialize
 from services.worker.scripted import parse_spec
@@ -54,24 +53,6 @@ MODEL = "bench-pickup"
 SPEC = "scripted:long?rate=2&max_batch=16"
 # The worker runs the scripted double; its card renders prompts as the API would.
 _RENDERER = PromptRenderer(parse_spec(SPEC, MODEL).card)
-
-
-def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A private redis-server on a unix socket (no persistence)."""
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        sys.exit("pickup.py: no redis-server on PATH; pass --redis-url")
-    sock = tmp / "redis.sock"
-    proc = subprocess.Popen(
-        [binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
-         "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    for _ in range(200):
-        if sock.exists():
-            break
-        time.sleep(0.01)
-    return proc, f"unix://{sock}"
 
 
 def cpu_seconds(pid: int) -> float:

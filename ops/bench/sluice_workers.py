@@ -10,11 +10,9 @@ worker's affinity outcomes and prefix-cache counters are read from its ``/metric
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from ops.bench.stream_nodes import start_redis
 from ops.bench.vs_server import free_port, stop, wait_until
 
 OUTCOMES = ("hit", "miss", "after_wait", "busy")
@@ -29,23 +28,10 @@ OUTCOMES = ("hit", "miss", "after_wait", "busy")
 
 def _redis(tmp: Path, stack: ExitStack) -> str:
     """A private redis-server on a unix socket, stopped with the stack."""
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        sys.exit("sluice_workers.py: no redis-server on PATH")
-    sock = tmp / "redis.sock"
-    proc = subprocess.Popen(
-        [binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
-         "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc, url = start_redis(tmp)
     stack.callback(proc.wait)  # callbacks run last first: terminate, then wait
     stack.callback(proc.terminate)
-    deadline = time.monotonic() + 10
-    while not sock.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError("redis-server did not start")
-        time.sleep(0.01)
-    return f"unix://{sock}"
+    return url
 
 
 def _spawn(args: list[str], env: dict[str, str], root: Path, log: Path) -> subprocess.Popen[bytes]:

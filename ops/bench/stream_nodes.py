@@ -100,7 +100,7 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A private redis-server on a unix socket (no persistence)."""
     binary = shutil.which("redis-server") or shutil.which("valkey-server")
     if binary is None:
-        sys.exit("streams.py: no redis-server on PATH; pass --redis-url")
+        sys.exit("no redis-server on PATH (or pass a Redis URL where the benchmark takes one)")
     sock = tmp / "redis.sock"
     proc = subprocess.Popen(
         [
@@ -120,8 +120,10 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
         ],
         stdout=subprocess.DEVNULL,
     )
-    for _ in range(200):
-        if sock.exists():
-            break
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.terminate()
+            raise RuntimeError("redis-server did not start")
         time.sleep(0.01)
     return proc, f"unix://{sock}"
