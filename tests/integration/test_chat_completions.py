@@ -25,6 +25,7 @@ from shared.codec import decode_entries
 from shared.events import AnyEvent
 from tests.integration.worker_harness import WorkerHandle
 from tests.invariants import check_stream
+from tests.sse_frames import data_frames
 
 pytestmark = pytest.mark.integration
 
@@ -267,18 +268,6 @@ def completion(frames: list[tuple[str | None, str]]) -> dict[str, object]:
         if data != "[DONE]":
             state.handle_chunk(ChatCompletionChunk.model_validate_json(data))
     return state.get_final_completion().model_dump()
-
-
-def data_frames(body: str) -> list[tuple[str | None, str]]:
-    """(id, data) of every SSE event in ``body`` (comments skipped)."""
-    out = []
-    for block in body.split("\n\n"):
-        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
-        ids = [line[4:] for line in lines if line.startswith("id: ")]
-        data = "\n".join(line[6:] for line in lines if line.startswith("data: "))
-        if data:
-            out.append((ids[0] if ids else None, data))
-    return out
 
 
 async def test_resume_after_last_event_id_continues_without_repeating(

@@ -24,11 +24,11 @@ from openai.types.chat import ChatCompletionMessageParam
 from shared import keys
 from shared.codec import decode_entries, decode_job
 from shared.config import Settings
-from shared.events import AnyEvent, Finish, Start
+from shared.events import Finish, Start
 from shared.jobs import choice_id
 from tests.integration.server_harness import running_api
 from tests.integration.worker_harness import running_worker
-from tests.invariants import check_stream
+from tests.sse_frames import choice_logs, choice_texts, data_frames
 
 pytestmark = pytest.mark.integration
 
@@ -39,15 +39,6 @@ ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 def client(api: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="k", max_retries=0)
-
-
-async def logs(redis: aioredis.Redis, rid: str, n: int) -> list[list[AnyEvent]]:
-    out = []
-    for i in range(n):
-        events = decode_entries(await redis.xrange(keys.events(choice_id(rid, i))))
-        check_stream(events)
-        out.append(events)
-    return out
 
 
 async def test_chat_n3_not_streamed(api: str, worker: object, redis: aioredis.Redis) -> None:
@@ -61,7 +52,7 @@ async def test_chat_n3_not_streamed(api: str, worker: object, redis: aioredis.Re
     assert done.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt, once
     assert done.usage.completion_tokens == 3 * one.usage.completion_tokens
     assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
-    await logs(redis, done.id, 3)
+    await choice_logs(redis, done.id, 3)
     for i in range(3):
         job = decode_job(await redis.hget(keys.request(choice_id(done.id, i)), "job"))  # type: ignore[misc]
         assert (job.n, job.choice, job.sampling.seed) == (3, i, 7 + i)
@@ -116,7 +107,7 @@ async def test_completions_n2(api: str, worker: object, redis: aioredis.Redis) -
     assert [(ch.index, ch.text) for ch in done.choices] == [(0, "hi" + REPLY[:8])] * 1 + [
         (1, "hi" + REPLY[:8])
     ]
-    assert texts_of(frames_of(as_chat.text), 2) == [REPLY[:8]] * 2
+    assert choice_texts(data_frames(as_chat.text), 2) == [REPLY[:8]] * 2
     assert as_messages.json()["content"][0]["text"] == REPLY[:8]
     assert done.usage is not None and done.usage.completion_tokens == 16
     texts = ["", ""]
@@ -124,7 +115,7 @@ async def test_completions_n2(api: str, worker: object, redis: aioredis.Redis) -
         texts[chunk.choices[0].index] += chunk.choices[0].text
     assert texts == [REPLY[:8]] * 2
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
-    await logs(redis, done.id, 2)
+    await choice_logs(redis, done.id, 2)
 
 
 async def test_completions_prompt_batch(api: str, worker: object, redis: aioredis.Redis) -> None:
@@ -162,7 +153,7 @@ async def test_completions_prompt_batch(api: str, worker: object, redis: aioredi
         decode_job(await redis.hget(keys.request(choice_id(done.id, i)), "job")) for i in range(4)
     ]  # type: ignore[misc]
     assert [j.prompt_text for j in jobs] == [p for p in prompts for _ in range(2)]
-    await logs(redis, done.id, 4)
+    await choice_logs(redis, done.id, 4)
 
 
 async def _prompt_ids(redis: aioredis.Redis, rid: str, choice: int) -> list[int]:
@@ -188,27 +179,6 @@ async def test_n_over_the_cap_and_best_of_are_400s(api: str, worker: object) -> 
 LONG = "m-choices-long"
 
 
-def frames_of(body: str) -> list[tuple[str | None, str]]:
-    """(id, data) of every SSE event in ``body`` (comments skipped)."""
-    out = []
-    for block in body.split("\n\n"):
-        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
-        ids = [line[4:] for line in lines if line.startswith("id: ")]
-        data = "\n".join(line[6:] for line in lines if line.startswith("data: "))
-        if data:
-            out.append((ids[0] if ids else None, data))
-    return out
-
-
-def texts_of(frames: list[tuple[str | None, str]], n: int) -> list[str]:
-    texts = [""] * n
-    for _, data in frames:
-        if data != "[DONE]":
-            for choice in json.loads(data)["choices"]:
-                texts[choice["index"]] += choice["delta"].get("content") or ""
-    return texts
-
-
 async def test_resume_mid_stream_continues_every_choice_exactly(
     api: str, redis_url: str, redis: aioredis.Redis
 ) -> None:
@@ -224,7 +194,7 @@ async def test_resume_mid_stream_continues_every_choice_exactly(
             async for text in reply.aiter_text():
                 buffer += text
                 *blocks, buffer = buffer.split("\n\n")
-                head += frames_of("\n\n".join(blocks) + "\n\n")
+                head += data_frames("\n\n".join(blocks) + "\n\n")
                 if sum(1 for i, _ in head if i) >= 12:
                     break
         cut = max(k for k, (i, _) in enumerate(head) if i) + 1  # the client has up to this id
@@ -234,22 +204,22 @@ async def test_resume_mid_stream_continues_every_choice_exactly(
         resumed = await http.get(
             f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": last_id}
         )
-        rest = frames_of(resumed.text)
+        rest = data_frames(resumed.text)
         replay = await http.get(f"/v1/chat/completions/{rid}/events")
         again = await http.get(f"/v1/chat/completions/{rid}/events")
         wrong = await http.get(  # one entry id is not a position in three logs
             f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": "1-0"}
         )
         done = await http.get(f"/v1/chat/completions/{rid}")
-        final_id = [i for i, _ in frames_of(replay.text) if i][-1]
+        final_id = [i for i, _ in data_frames(replay.text) if i][-1]
         after_end = await http.get(
             f"/v1/chat/completions/{rid}/events", headers={"Last-Event-ID": final_id}
         )
     assert after_end.text == "data: [DONE]\n\n"  # resumed after every choice's end
     assert resumed.status_code == 200 and rest[-1] == (None, "[DONE]")
     whole = [c["message"]["content"] for c in done.json()["choices"]]
-    assert texts_of(head + rest, 3) == whole  # nothing lost, nothing repeated, per choice
-    assert texts_of(frames_of(replay.text), 3) == whole
+    assert choice_texts(head + rest, 3) == whole  # nothing lost, nothing repeated, per choice
+    assert choice_texts(data_frames(replay.text), 3) == whole
     assert replay.content == again.content  # a finished request replays the same bytes
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "after"
     before = [tuple(map(int, p.split("-"))) for p in last_id.split(",")]
@@ -257,7 +227,7 @@ async def test_resume_mid_stream_continues_every_choice_exactly(
         if frame_id is not None:
             now = [tuple(map(int, p.split("-"))) for p in frame_id.split(",")]
             assert all(a >= b for a, b in zip(now, before, strict=True))
-    for events in await logs(redis, rid, 3):
+    for events in await choice_logs(redis, rid, 3):
         assert sum(isinstance(e, Start) for e in events) == 1
 
 
@@ -296,7 +266,7 @@ async def test_disconnect_and_cancel_end_every_choice(
                 break
             await asyncio.sleep(0.1)
     for rid, n in ((gone, 3), (kept, 2)):
-        for events in await logs(redis, rid, n):
+        for events in await choice_logs(redis, rid, n):
             assert events[-1] == Finish(reason="cancelled"), (rid, events[-1])
 
 
@@ -360,7 +330,7 @@ async def test_tool_calls_per_choice_and_a_failing_request(
         assert choice.finish_reason == "tool_calls"
         got = [c.function.arguments for c in choice.message.tool_calls or []]
         assert len(got) == 2 and got == list(calls[choice.index].values())
-    await logs(redis, done.id, 2)
+    await choice_logs(redis, done.id, 2)
 
 
 async def test_every_choice_is_its_creator_s_only(

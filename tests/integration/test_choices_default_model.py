@@ -14,12 +14,10 @@ import pytest
 import redis.asyncio as aioredis
 from openai.types.chat import ChatCompletionMessageParam
 
-from shared import keys
-from shared.codec import decode_entries
-from shared.events import AnyEvent, Start
-from shared.jobs import choice_id
+from shared.events import Start
 from tests.integration.worker_harness import WorkerHandle, running_worker
-from tests.invariants import check_stream, generated_token_ids
+from tests.invariants import generated_token_ids
+from tests.sse_frames import choice_logs
 
 pytestmark = [
     pytest.mark.integration,
@@ -40,15 +38,6 @@ async def smollm2(redis_url: str, redis: aioredis.Redis) -> AsyncIterator[Worker
     overrides = {"lease_ttl_s": 30.0, "heartbeat_s": 1.0, "device": "cpu"}
     async with running_worker(redis_url, "smollm2", overrides) as handle:
         yield handle
-
-
-async def choice_logs(redis: aioredis.Redis, rid: str, n: int) -> list[list[AnyEvent]]:
-    out = []
-    for i in range(n):
-        events = decode_entries(await redis.xrange(keys.events(choice_id(rid, i))))
-        check_stream(events)
-        out.append(events)
-    return out
 
 
 async def test_seeded_choices_are_reproducible_distinct_and_share_the_prefill(

@@ -17,12 +17,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from services.worker.loaders import load_model
 from services.worker.main import start_worker
 from services.worker.torch_backend import TorchBackend
-from shared import keys
-from shared.codec import decode_entries
 from shared.config import Settings
-from shared.events import AnyEvent, Start
-from shared.jobs import choice_id
-from tests.invariants import check_stream
+from shared.events import Start
+from tests.sse_frames import choice_logs
 from tests.worker_models import write_hf_model
 
 pytestmark = pytest.mark.integration
@@ -49,15 +46,6 @@ async def tiny_worker(redis_url: str, redis: aioredis.Redis, tmp_path: Path) -> 
 
 def client(api: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="k", max_retries=0)
-
-
-async def choice_logs(redis: aioredis.Redis, rid: str, n: int) -> list[list[AnyEvent]]:
-    out = []
-    for i in range(n):
-        events = decode_entries(await redis.xrange(keys.events(choice_id(rid, i))))
-        check_stream(events)
-        out.append(events)
-    return out
 
 
 async def test_choices_share_the_prompt_s_prefill(

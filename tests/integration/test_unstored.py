@@ -23,6 +23,7 @@ from shared import keys
 from shared.config import Settings
 from shared.protocol import Claim
 from tests.integration.worker_harness import WorkerHandle, running_worker
+from tests.sse_frames import data_frames
 
 pytestmark = pytest.mark.integration
 
@@ -47,18 +48,6 @@ def chat(**extra: object) -> dict[str, object]:
         "metadata": {"script": "text"},
         **extra,
     }
-
-
-def data_frames(body: str) -> list[tuple[str | None, str]]:
-    """(id, data) of every SSE event in ``body`` (comments skipped)."""
-    out = []
-    for block in body.split("\n\n"):
-        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
-        ids = [line[4:] for line in lines if line.startswith("id: ")]
-        data = "\n".join(line[6:] for line in lines if line.startswith("data: "))
-        if data:
-            out.append((ids[0] if ids else None, data))
-    return out
 
 
 def content(frames: list[tuple[str | None, str]]) -> str:
