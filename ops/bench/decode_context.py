@@ -7,6 +7,10 @@ turn beside the first (the same weights and logits: the bytes of the scales are 
 and the ratio is printed. Medians in ms, as JSON lines. Run it on an idle machine.
 
     .venv/bin/python -m ops.bench.decode_context /tmp/q/smollm2-Q4_0.gguf --contexts 1,250,1000
+
+``--batch B`` decodes B sequences in each step instead of one: they share the context's blocks
+(an agent's common system prompt, the prefix cache's sharing) and each writes its own next
+block, so B = 32 at 4,000 tokens is the agent-sessions benchmark's decode step.
 """
 
 from __future__ import annotations
@@ -47,19 +51,30 @@ def widen(model: QuantizedLlama) -> int:
     return widened
 
 
-def filled(model: QuantizedLlama, ctx: int) -> tuple[PagedKVCache, AttentionBatch, torch.Tensor]:
+def filled(
+    model: QuantizedLlama, ctx: int, batch: int = 1
+) -> tuple[PagedKVCache, AttentionBatch, torch.Tensor]:
     """A paged cache holding one sequence's ``ctx`` prefilled tokens (its blocks in order), the
-    batch of its next decode step (position ``ctx``), and the prefill's last logits."""
+    batch of the next decode step (position ``ctx``) of ``batch`` sequences that share its full
+    blocks, and the prefill's last logits."""
     c = model.config
-    blocks = -(-(ctx + 1) // BLOCK)
+    blocks = -(-(ctx + 1) // BLOCK) + batch - 1
     cache = PagedKVCache(
         layers=c.num_layers, num_blocks=blocks, block_size=BLOCK, kv_heads=c.num_kv_heads,
         head_dim=c.head_dim, dtype=model.kv_dtype, device=CPU,
     )  # fmt: skip
     table = [cache.allocate() for _ in range(blocks)]
     ids = torch.randint(0, 1000, (ctx,), generator=torch.Generator().manual_seed(0))
-    logits = model(ids, build_batch([SeqRows(0, table, 0, ctx)], BLOCK, CPU), cache)
-    return cache, build_batch([SeqRows(0, table, ctx, 1)], BLOCK, CPU), logits
+    shared = table[: -(-(ctx + 1) // BLOCK)]
+    logits = model(ids, build_batch([SeqRows(0, shared, 0, ctx)], BLOCK, CPU), cache)
+    full, own = (
+        shared[: ctx // BLOCK],
+        [shared[ctx // BLOCK :], *([b] for b in table[len(shared) :])],
+    )
+    if ctx % BLOCK and batch > 1:
+        raise SystemExit("--batch needs contexts that are multiples of the block size (16)")
+    seqs = [SeqRows(i, full + own[i], ctx, 1) for i in range(batch)]
+    return cache, build_batch(seqs, BLOCK, CPU), logits
 
 
 def main() -> None:
@@ -68,6 +83,7 @@ def main() -> None:
     p.add_argument("--contexts", default="1,250,1000")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="sequences per step, sharing the context")
     p.add_argument("--widen", action="store_true", help="also time float scales (vs SL_H16)")
     args = p.parse_args()
     torch.set_num_threads(1)  # as the worker: torch's own work is microseconds
@@ -84,18 +100,19 @@ def main() -> None:
         for ctx in contexts:
             first = None
             for name, model in variants.items():
-                cache, batch, logits = filled(model, ctx)
+                cache, batch, logits = filled(model, ctx, args.batch)
                 assert first is None or torch.equal(logits, first), "the variants disagree"
                 first = logits
                 runs.append((name, ctx, model, cache, batch))
         times: dict[tuple[str, int], list[float]] = {(n, c): [] for n, c, *_ in runs}
-        token = torch.tensor([5])
+        token = torch.full((args.batch,), 5)
         for _ in range(args.steps):
             for name, ctx, model, cache, batch in runs:
                 began = time.perf_counter()
                 model(token, batch, cache)
                 times[name, ctx].append(time.perf_counter() - began)
-    print(json.dumps({"file": args.file.name, "load1": os.getloadavg()[0], "widened": widened}))
+    head = {"file": args.file.name, "load1": os.getloadavg()[0], "widened": widened}
+    print(json.dumps(head | {"batch": args.batch}))
     for ctx in contexts:
         row: dict[str, object] = {"context": ctx}
         for name in variants:

@@ -51,12 +51,13 @@ def build_from(directory: Path) -> Kernels:
 CLOCK = [time.perf_counter]  # --clock thread: this thread's CPU time (1 thread on a busy host)
 
 
-def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
-    """Seconds per stage (summed over layers) of one prefill of ``tokens`` random ids, stage by
-    stage through the exported entry points, and ``forward``: the model's own single call."""
+def profile(model: QuantizedLlama, k: Kernels, tokens: int, context: int = 0) -> dict[str, float]:
+    """Seconds per stage (summed over layers) of one prefill of ``tokens`` random ids after
+    ``context`` cached ones (an agent's next turn), stage by stage through the exported entry
+    points, and ``forward``: the model's own single call."""
     cfg = model.config
     ids = torch.randint(0, 1000, (tokens,), generator=torch.Generator().manual_seed(0))
-    blocks = -(-tokens // BLOCK)
+    blocks = -(-(context + tokens) // BLOCK)
     cache = PagedKVCache(
         layers=cfg.num_layers,
         num_blocks=blocks,
@@ -66,9 +67,11 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
         dtype=model.kv_dtype,
         device=CPU,
     )
-    batch = build_batch(
-        [SeqRows(0, [cache.allocate() for _ in range(blocks)], 0, tokens)], BLOCK, CPU
-    )
+    table = [cache.allocate() for _ in range(blocks)]
+    if context:  # the cached prefix: real keys and values, computed once, untimed
+        prefix = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(1))
+        model(prefix, build_batch([SeqRows(0, table, 0, context)], BLOCK, CPU), cache)
+    batch = build_batch([SeqRows(0, table, context, tokens)], BLOCK, CPU)
     spent: dict[str, float] = defaultdict(float)
     model.kernels = k  # the packed weights do not depend on the build
     began = CLOCK[0]()
@@ -88,7 +91,7 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
     act = Activations(rows, model.act_width)
     qkv = torch.empty(rows, model.blocks[0].qkv.out_features)
     attended = torch.empty(rows, H * hd)
-    scores = torch.empty(threads * max(tokens, 256) * 2)
+    span = context + tokens
     gate_up = torch.empty(rows, 2 * cfg.intermediate_size)
     pos, seq = batch.positions.contiguous(), batch.seq_index.contiguous()
     tables = batch.tables.contiguous()
@@ -103,8 +106,7 @@ def profile(model: QuantizedLlama, k: Kernels, tokens: int) -> dict[str, float]:
         k.lib.sl_attention(
             tokens, H, KV, hd, qkv.data_ptr(), *rope, pos.data_ptr(), seq.data_ptr(),
             tables.data_ptr(), tables.shape[1], BLOCK, cache.num_blocks, cache.k[i].data_ptr(),
-            cache.v[i].data_ptr(), *norms, eps, attended.data_ptr(), scores.data_ptr(), tokens,
-            threads,
+            cache.v[i].data_ptr(), *norms, eps, attended.data_ptr(), span, threads,
         )  # fmt: skip
         tick("attention")
         k.quantize(attended, act)
@@ -132,6 +134,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--tokens", type=int, default=190)
+    p.add_argument("--context", type=int, default=0, help="tokens already cached before them")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline", type=Path, help="kernel sources to compare against")
@@ -159,11 +162,11 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
     with torch.inference_mode():
         for m in models.values():  # warm-up: page in weights, start the thread pool
-            profile(m, native, args.tokens)
+            profile(m, native, args.tokens, args.context)
         for _ in range(args.repeats):
             for name, m in models.items():
                 for tag, k in builds.items():
-                    runs[name, tag].append(profile(m, k, args.tokens))
+                    runs[name, tag].append(profile(m, k, args.tokens, args.context))
     cfg = next(iter(models.values())).config
     c, i = cfg.hidden_size, cfg.intermediate_size
     qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim

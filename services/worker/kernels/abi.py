@@ -43,9 +43,9 @@ SIGNATURES: dict[str, list[type]] = {
     "sl_gemm_q4_0": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, c_int, c_int],
     "sl_linear_forward": [_P, _I, _P, _P, _P, _P, c_int, c_int],
     # n, H, KV, hd, qkv, cos, sin, pos, seq, tables, table_stride, block_size, num_blocks, kc,
-    # vc, q_norm, k_norm, eps, out, scores, span, nthreads
+    # vc, q_norm, k_norm, eps, out, span, nthreads
     "sl_attention": [
-        *(_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _I),
+        *(_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _F, _P, _I),
         c_int,
     ],
     # model, n, x, pos, seq, tables, table_stride, block_size, kc, vc, num_blocks, span, scratch,
@@ -186,7 +186,6 @@ class Scratch(ctypes.Structure):
         ("qkv", _P),
         ("attended", _P),
         ("gate_up", _P),
-        ("scores", _P),
     ]
 
 

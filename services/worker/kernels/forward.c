@@ -27,7 +27,7 @@ void sl_forward(const sl_model *m, int64_t n, float *x, const int64_t *pos, cons
             linear_body(&L->qkv, n, w->xq, w->xd, w->xs, w->qkv, 0);
             attention_body(n, H, KV, hd, w->qkv, m->cos, m->sin, pos, seq, tables, table_stride,
                            block_size, num_blocks, kc + i * layer_elems, vc + i * layer_elems,
-                           L->q_norm, L->k_norm, m->eps, w->attended, w->scores, span);
+                           L->q_norm, L->k_norm, m->eps, w->attended, span);
             quantize_body(w->attended, n, H * hd, w->xq, w->xd, w->xs);
             linear_body(&L->o, n, w->xq, w->xd, w->xs, x, 1);
             rmsnorm_quantize_body(x, L->post_norm, m->eps, n, C, w->xq, w->xd, w->xs, w->tmp);

@@ -238,7 +238,7 @@ SL_INTERNAL void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, fl
                                 const int64_t *seq, const int32_t *tables, int64_t table_stride,
                                 int64_t block_size, int64_t num_blocks, uint16_t *kc, uint16_t *vc,
                                 const float *q_norm, const float *k_norm, float eps, float *out,
-                                float *scores, int64_t span);
+                                int64_t span);
 /* y (+)= x W^T (+ bias) for any format: the GEMM its type names */
 SL_INTERNAL void linear_body(const sl_linear *l, int64_t M, const int8_t *xq, const float *xd,
                              const float *xs, float *y, int accumulate);
@@ -296,6 +296,6 @@ _Static_assert(sizeof(sl_block_q4_K) == 144, "block_q4_K is 144 bytes");
 _Static_assert(sizeof(sl_block_q5_K) == 176, "block_q5_K is 176 bytes");
 _Static_assert(sizeof(sl_block_q6_K) == 210, "block_q6_K is 210 bytes");
 _Static_assert(sizeof(sl_linear) == 4 * sizeof(void *) + 3 * 8, "sl_linear: 4 pointers, 3 int64");
-_Static_assert(sizeof(sl_scratch) == 8 * sizeof(void *), "sl_scratch: 8 pointers");
+_Static_assert(sizeof(sl_scratch) == 7 * sizeof(void *), "sl_scratch: 7 pointers");
 
 #endif

@@ -156,7 +156,7 @@ typedef struct {
 typedef struct {
     int8_t *xq; /* n x max(hidden, inner, heads * head_dim) */
     float *xd, *xs, *tmp;
-    float *qkv, *attended, *gate_up, *scores; /* scores: span per thread */
+    float *qkv, *attended, *gate_up;
 } sl_scratch;
 
 /* ---- exported functions ------------------------------------------------------------------ */
@@ -191,8 +191,8 @@ void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const fl
                        const float *xs, float *y, int accumulate, int nthreads);
 
 /* Attention over one layer of the paged KV cache for n ragged token rows (layouts above; the
- * arguments: attention.c), and a whole forward step over them (forward.c). span: scores floats
- * per thread, more than the largest position. sl_forward's kc and vc point at layer 0, layer i
+ * arguments: attention.c), and a whole forward step over them (forward.c). span: more than the
+ * largest position (it sizes each thread's scratch, which the kernels keep between calls). sl_forward's kc and vc point at layer 0, layer i
  * i * num_blocks * kv_heads * block_size * head_dim halves on; its logits are [n_logits, vocab],
  * row j for token row logit_rows[j] (ascending). One code path for decode and prefill: a token's
  * logits do not depend on the path, the batch, the chunk or the blocks that computed it. */
@@ -200,8 +200,7 @@ void sl_attention(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv, cons
                   const float *sin_table, const int64_t *pos, const int64_t *seq,
                   const int32_t *tables, int64_t table_stride, int64_t block_size,
                   int64_t num_blocks, uint16_t *kc, uint16_t *vc, const float *q_norm,
-                  const float *k_norm, float eps, float *out, float *scores, int64_t span,
-                  int nthreads);
+                  const float *k_norm, float eps, float *out, int64_t span, int nthreads);
 void sl_forward(const sl_model *m, int64_t n, float *x, const int64_t *pos, const int64_t *seq,
                 const int32_t *tables, int64_t table_stride, int64_t block_size, uint16_t *kc,
                 uint16_t *vc, int64_t num_blocks, int64_t span, const sl_scratch *w, float *logits,

@@ -313,7 +313,7 @@ class QuantizedLlama(nn.Module):
         positions, seqs = batch.positions.contiguous(), batch.seq_index.contiguous()
         tables = batch.tables.contiguous()
         threads = self.kernels.forward_threads(max(s.count for s in batch.seqs))
-        scratch, _buffers = self._scratch(n, batch.span, threads)  # alive until the call returns
+        scratch, _buffers = self._scratch(n)  # alive until the call returns
         self.kernels.lib.sl_forward(
             ctypes.byref(self.struct), n, x.data_ptr(), positions.data_ptr(), seqs.data_ptr(),
             tables.data_ptr(), tables.shape[1], cache.block_size, cache.k.data_ptr(),
@@ -330,13 +330,13 @@ class QuantizedLlama(nn.Module):
         rows = QuantBlocks(table.qtype, table.data[ids], (ids.shape[0], table.shape[1]))
         return dequantize_blocks(rows).contiguous()
 
-    def _scratch(self, rows: int, span: int, threads: int) -> tuple[Scratch, list[torch.Tensor]]:
-        """Buffers for ``rows`` token rows attending over up to ``span`` keys: kept for decode
-        batches (at most ``max_batch`` rows, reused every step), made afresh for a prefill
-        chunk (its buffers are small beside its work, and chunk sizes vary)."""
+    def _scratch(self, rows: int) -> tuple[Scratch, list[torch.Tensor]]:
+        """Buffers for ``rows`` token rows: kept for decode batches (at most ``max_batch`` rows,
+        reused every step), made afresh for a prefill chunk (its buffers are small beside its
+        work, and chunk sizes vary). Attention keeps its own per-thread scratch in C."""
         cfg = self.config
         held = self.scratch.get(rows)
-        if held is None or held[1][-1].numel() < threads * span:
+        if held is None:
             act = Activations(rows, self.act_width)
             tensors = [
                 act.q,
@@ -346,7 +346,6 @@ class QuantizedLlama(nn.Module):
                 torch.empty(rows, self.blocks[0].qkv.out_features),
                 torch.empty(rows, cfg.num_heads * cfg.head_dim),  # attended
                 torch.empty(rows, 2 * cfg.intermediate_size),  # gate_up
-                torch.empty(threads * max(span, 256) * 2),  # scores: a softmax row per thread
             ]
             held = (Scratch(*(t.data_ptr() for t in tensors)), tensors)
             if rows <= KEPT_ROWS:

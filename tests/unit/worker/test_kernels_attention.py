@@ -90,14 +90,13 @@ def _attention(
     out = torch.full((n, H * hd), float("nan"))
     pos_t, seq_t = torch.tensor(pos), torch.tensor(seq)
     span = max(pos) + 1
-    scores = torch.full((threads * span,), float("nan"))  # the softmax scratch, per thread
     k.lib.sl_attention(
         n, H, KV, hd, rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_t.data_ptr(),
         seq_t.data_ptr(), tables.data_ptr(), tables.shape[1], kc.shape[2], kc.shape[0],
         kc.data_ptr(),
         vc.data_ptr(), 0 if q_norm is None else q_norm.weight.data_ptr(),
         0 if k_norm is None else k_norm.weight.data_ptr(), eps, out.data_ptr(),
-        scores.data_ptr(), span, threads,
+        span, threads,
     )  # fmt: skip
     return out
 
