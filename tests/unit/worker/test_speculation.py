@@ -7,12 +7,15 @@ model) rejected too, and then every condition of ``tests/determinism.check_invar
 (prefix-cache hits, a batch of 16, chunked prefill, preemption, a failover's continuation).
 Stops, ``max_tokens`` reached inside an accepted draft and a seeded draw are compared too, and
 afterwards no block is held and the prefix cache knows only blocks of tokens actually written.
+Unseeded draws have no token to compare with, so their frequencies are: sampled with and without
+speculation, they pass a chi-square test of homogeneity that a change of temperature fails.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
@@ -239,3 +242,57 @@ async def test_a_request_that_opts_out_never_speculates(
     spec.scheduler.clear_prefix_cache()
     again = await _run(spec, _job(repeating, "on", sampling=greedy0, max_tokens=24))
     assert again == want and _stats(spec).drafts > before
+
+
+def _homogeneity(a: Counter[int], b: Counter[int]) -> float:
+    """Pearson's chi-square test that two samples of tokens come from one distribution: its
+    p-value. Tokens expected fewer than 5 times in the smaller sample are pooled into one
+    category, so the statistic's chi-square approximation holds."""
+    na, nb = sum(a.values()), sum(b.values())
+    both = a + b
+    kept = [t for t in both if min(na, nb) * both[t] / (na + nb) >= 5]
+    rows = [(a[t], b[t]) for t in kept]
+    rest = (na - sum(x for x, _ in rows), nb - sum(y for _, y in rows))
+    rows += [rest] if sum(rest) else []
+    stat = 0.0
+    for x, y in rows:
+        for seen, size in ((x, na), (y, nb)):
+            expected = size * (x + y) / (na + nb)
+            stat += (seen - expected) ** 2 / expected
+    df = torch.tensor((len(rows) - 1) / 2, dtype=torch.float64)
+    assert df > 0, "one category: nothing to compare"
+    return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("pair", [MODELS[1]], indirect=True)
+async def test_sampled_frequencies_are_those_of_plain_sampling(
+    pair: tuple[TorchBackend, TorchBackend],
+) -> None:
+    """Drawn tokens verify drafts without changing what is drawn: 600 requests with their own
+    seeds on each backend (distinct seeds: equal ones would give equal tokens, which
+    test_stops_limits_and_draws_match checks), and at every position the two samples' token
+    frequencies agree (p > 0.001 per position, Bonferroni over the positions). The same test at
+    the same size tells plain sampling at temperature 1.0 from 0.3 apart, so it can see a bias
+    of that size. Seeds are fixed, so the outcome is too."""
+    plain, spec = pair
+    _, repeating = _prompts()
+    n, length = 600, 6
+
+    async def draw(b: TorchBackend, seeds: Iterable[int], temperature: float) -> list[list[int]]:
+        sampling = [SamplingParams(temperature=temperature, top_k=6, seed=s) for s in seeds]
+        jobs = [_job(repeating, f"d{p.seed}", sampling=p, max_tokens=length) for p in sampling]
+        return [tokens for tokens, _, _ in await asyncio.gather(*(_run(b, j) for j in jobs))]
+
+    def p_values(x: list[list[int]], y: list[list[int]]) -> list[float]:
+        return [
+            _homogeneity(Counter(t[j] for t in x), Counter(t[j] for t in y)) for j in range(length)
+        ]
+
+    stats = _stats(spec)
+    drafted, accepted = stats.draft_tokens, stats.accepted_tokens
+    without = await draw(plain, range(n), 1.0)
+    with_drafts = await draw(spec, range(10_000, 10_000 + n), 1.0)
+    assert 0 < stats.accepted_tokens - accepted < stats.draft_tokens - drafted  # both outcomes
+    assert min(p_values(without, with_drafts)) > 0.001 / length
+    cooler = await draw(plain, range(20_000, 20_000 + n), 0.3)
+    assert min(p_values(without, cooler)) < 0.001 / length
