@@ -1,5 +1,5 @@
-"""sluice's CPU kernels (``quantize.c``, ``matmul.c``, ``q8.c``, ``amx.c``, ``attention.c``,
-``forward.c``): built on first use, loaded with ctypes.
+"""sluice's CPU kernels (``quantize.c``, ``matmul.c``, ``q8.c``, ``amx.c``, ``attend.c``,
+``attention.c``, ``forward.c``): built on first use, loaded with ctypes.
 
 Owns compiling the C files with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
 cache directory, loading the library, and stating its ABI on the Python side. Knows nothing about
@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [
-    HERE / f for f in ("quantize.c", "matmul.c", "q8.c", "amx.c", "attention.c", "forward.c")
+    HERE / f for f in ("quantize.c", "matmul.c", "q8.c", "amx.c", "attend.c", "attention.c", "forward.c")
 ]
 HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
 WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]

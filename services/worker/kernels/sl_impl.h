@@ -1,6 +1,6 @@
 /* sluice CPU kernels, internal: instruction-set selection, vector helpers, and the stages shared
- * between quantize.c, matmul.c, q8.c, amx.c, attention.c and forward.c. Not part of the ABI
- * (sluice_cpu.h is). */
+ * between quantize.c, matmul.c, q8.c, amx.c, attend.c, attention.c and forward.c. Not part of
+ * the ABI (sluice_cpu.h is). */
 #ifndef SL_IMPL_H
 #define SL_IMPL_H
 
@@ -231,6 +231,26 @@ SL_INTERNAL int gemm_on_amx(int kind, int64_t M, int64_t N, int64_t K, const int
 #else
 #define gemm_on_amx(...) 0
 #endif
+
+/* One kv head of one sequence in a layer's paged cache: the block ids in the sequence's table,
+ * the halves per block (all kv heads), where this head's keys sit in a block, the block size. */
+typedef struct {
+    const int32_t *table;
+    int64_t block_stride, head, size; /* halves from one block to the next; the kv head's base */
+} pages;
+
+/* One query of a task: its rotated q (hd floats), its output o, its softmax row p (S floats) and
+ * S, the keys it attends to (positions 0..S-1 of its sequence). */
+typedef struct {
+    const float *q;
+    float *o, *p;
+    int64_t S;
+} query;
+
+/* nq queries over one kv head of one sequence (attend.c); kf, vf: block size x hd floats each of
+ * scratch */
+SL_INTERNAL void attend(query *qs, int64_t nq, const uint16_t *kc, const uint16_t *vc,
+                        const pages *pg, int64_t hd, float scale, float *kf, float *vf);
 /* attention over the paged KV cache, decode and prefill rows alike (attention.c documents the
  * arguments) */
 SL_INTERNAL void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,

@@ -9,7 +9,7 @@ the reference stores its keys and values through torch's fp32 -> fp16 rounding.
 Against itself, bit for bit: where a sequence's blocks are and how large, how its tokens are
 split into calls (one chunk, several, one at a time), what else is in the batch, and whether its
 prefix blocks are its own or shared with another sequence change nothing in its outputs or its
-cached keys and values (attention.c: ``attend`` reads keys in the same groups and sums values in
+cached keys and values (attend.c: ``attend`` reads keys in the same groups and sums values in
 the same order whatever the blocks)."""
 
 from __future__ import annotations
