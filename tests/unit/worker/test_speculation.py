@@ -2,13 +2,14 @@
 (``speculative_tokens``) writes what one without writes, token for token and logprob for
 logprob, through the real scheduler thread, paged cache and prefix cache of tiny random models.
 
-Both layouts run a prompt that repeats itself, so drafts are proposed, accepted and (Qwen3's
-model) rejected too, and then every condition of ``tests/determinism.check_invariance``
-(prefix-cache hits, a batch of 16, chunked prefill, preemption, a failover's continuation).
-Stops, ``max_tokens`` reached inside an accepted draft and a seeded draw are compared too, and
-afterwards no block is held and the prefix cache knows only blocks of tokens actually written.
-Unseeded draws have no token to compare with, so their frequencies are: sampled with and without
-speculation, they pass a chi-square test of homogeneity that a change of temperature fails.
+Each architecture the kernels run (Llama, Qwen2, Qwen3, Mistral) runs a prompt that repeats
+itself, so drafts are proposed, accepted and (Qwen3's model) rejected too, and then every
+condition of ``tests/determinism.check_invariance`` (prefix-cache hits, a batch of 16, chunked
+prefill, preemption, a failover's continuation). Stops, ``max_tokens`` reached inside an
+accepted draft and a seeded draw are compared too, and afterwards no block is held and the
+prefix cache knows only blocks of tokens actually written. Unseeded draws have no token to
+compare with, so their frequencies are: sampled with and without speculation, they pass a
+chi-square test of homogeneity that a change of temperature fails.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ VOCAB = 384  # tiny_tokenizer's
 # (arch, seed): Llama's model repeats one token (every draft accepted); Qwen3's writes varied
 # text on which about half the drafted tokens are rejected
 MODELS = [("LlamaForCausalLM", 5), ("Qwen3ForCausalLM", 0)]
+# the other two architectures the kernels run (Qwen2: biased q/k/v; Mistral: Llama's layout
+# under its own name), for the greedy comparison
+MORE_MODELS = [("Qwen2ForCausalLM", 0), ("MistralForCausalLM", 0)]
 
 
 def _prompts() -> tuple[list[int], list[int]]:
@@ -94,7 +98,7 @@ def _no_leaks(b: TorchBackend, written: list[list[int]]) -> None:
     assert set(b.scheduler.cache.pool.by_hash) <= known
 
 
-@pytest.mark.parametrize("pair", MODELS, indirect=True)
+@pytest.mark.parametrize("pair", MODELS + MORE_MODELS, indirect=True)
 async def test_speculative_greedy_output_is_the_plain_output(
     pair: tuple[TorchBackend, TorchBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
