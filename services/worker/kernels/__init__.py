@@ -79,7 +79,8 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [
-    HERE / f for f in ("quantize.c", "matmul.c", "q8.c", "amx.c", "attend.c", "attention.c", "forward.c")
+    HERE / f
+    for f in ("quantize.c", "matmul.c", "q8.c", "amx.c", "attend.c", "attention.c", "forward.c")
 ]
 HEADERS = [HERE / "sluice_cpu.h", HERE / "sl_impl.h"]  # the ABI, and what the sources share
 WARNINGS = ["-Wall", "-Wextra", "-Wmissing-prototypes"]

@@ -42,7 +42,6 @@ static inline int64_t block_len(const pages *pg, int64_t b, int64_t S) {
     return left < pg->size ? left : pg->size;
 }
 
-
 #if SL_AVX2
 /* eight floats at off: from the converted floats f where there are some, else from the halves h
  * (the same values: to_floats stores what load_half8 gives) */
@@ -99,9 +98,8 @@ static void block_scores(const float *q, const uint16_t *keys, const float *kf, 
 /* Two queries' scores for the same n keys of a block (block_scores for each, the same bits):
  * eight FMA chains instead of four, which is what keeps the FMA units busy; each key's floats are
  * loaded once for both. kf: the keys as floats, hd % 8 == 0. */
-static void block_scores2(const float *q0, const float *q1, const uint16_t *keys,
-                          const float *kf, int64_t n, int64_t hd, float scale, float *p0,
-                          float *p1) {
+static void block_scores2(const float *q0, const float *q1, const uint16_t *keys, const float *kf,
+                          int64_t n, int64_t hd, float scale, float *p0, float *p1) {
     int64_t t = 0;
 #if SL_AVX2
     for (; t + 4 <= n; t += 4) {
@@ -253,14 +251,15 @@ static inline __m256 upper8(__m512 v) {
  * block_scores' arithmetic to the bit (each 8-lane half of a 16-lane chain is one of its four
  * chains; hsum4 of the halves), with half the FMAs and 2c chains. */
 static inline __attribute__((always_inline)) void scores_z(const int c, const query *qs,
-                                                           const float *kf, int64_t n,
-                                                           int64_t hd, float scale, int64_t at) {
+                                                           const float *kf, int64_t n, int64_t hd,
+                                                           float scale, int64_t at) {
     for (int64_t t = 0; t < n; t += 4) {
         __m512 A[4], B[4];
         for (int j = 0; j < c; j++) A[j] = B[j] = _mm512_setzero_ps();
         const float *k = kf + t * hd;
         for (int64_t d = 0; d < hd; d += 8) {
-            const __m512 k01 = _mm512_loadu_ps(k + 2 * d), k23 = _mm512_loadu_ps(k + 2 * hd + 2 * d);
+            const __m512 k01 = _mm512_loadu_ps(k + 2 * d),
+                         k23 = _mm512_loadu_ps(k + 2 * hd + 2 * d);
             for (int j = 0; j < c; j++) {
                 const __m512 qq = _mm512_castpd_ps(
                     _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(qs[j].q + d))));
@@ -279,8 +278,8 @@ static inline __attribute__((always_inline)) void scores_z(const int c, const qu
 /* One block's scores for every query that reads it: up to four queries with the same number of
  * keys in the block at once (all but the last block: all of them), the tail keys as
  * block_scores does them. */
-static void block_scores_z(query *qs, int64_t nq, const uint16_t *keys, float *kf,
-                           const pages *pg, int64_t b, int64_t S, int64_t hd, float scale) {
+static void block_scores_z(query *qs, int64_t nq, const uint16_t *keys, float *kf, const pages *pg,
+                           int64_t b, int64_t S, int64_t hd, float scale) {
     const int64_t at = b * pg->size;
     to_pairs(keys, block_len(pg, b, S) / 4 * 4, hd, kf);
     for (int64_t i = 0; i < nq;) {
@@ -292,10 +291,17 @@ static void block_scores_z(query *qs, int64_t nq, const uint16_t *keys, float *k
         int c = 1;
         while (c < 4 && i + c < nq && qs[i + c].S > at && block_len(pg, b, qs[i + c].S) == m) c++;
         switch (c) {
-        case 4: scores_z(4, qs + i, kf, n, hd, scale, at); break;
-        case 3: scores_z(3, qs + i, kf, n, hd, scale, at); break;
-        case 2: scores_z(2, qs + i, kf, n, hd, scale, at); break;
-        default: scores_z(1, qs + i, kf, n, hd, scale, at);
+        case 4:
+            scores_z(4, qs + i, kf, n, hd, scale, at);
+            break;
+        case 3:
+            scores_z(3, qs + i, kf, n, hd, scale, at);
+            break;
+        case 2:
+            scores_z(2, qs + i, kf, n, hd, scale, at);
+            break;
+        default:
+            scores_z(1, qs + i, kf, n, hd, scale, at);
         }
         for (int j = 0; j < c; j++, i++)
             for (int64_t t = n; t < m; t++)
@@ -307,9 +313,8 @@ static void block_scores_z(query *qs, int64_t nq, const uint16_t *keys, float *k
  * bit (each output its own chain over the values in order; a 16-lane register is two of its
  * 8-lane ones) with 4c chains; each value's floats are loaded once for all c queries and each
  * weight is broadcast from memory inside its FMA. */
-static inline __attribute__((always_inline)) void values_z(const int c, const query *qs,
-                                                           const float *vf, int64_t n,
-                                                           int64_t hd, int64_t at) {
+static inline __attribute__((always_inline)) void
+values_z(const int c, const query *qs, const float *vf, int64_t n, int64_t hd, int64_t at) {
     for (int64_t d0 = 0; d0 + 64 <= hd; d0 += 64) {
         __m512 acc[4][4];
         for (int j = 0; j < c; j++)
@@ -333,8 +338,8 @@ static inline __attribute__((always_inline)) void values_z(const int c, const qu
 
 /* One block's values for every query that reads it, up to four at once (as block_scores_z);
  * the dims past the last multiple of 64 as block_values does them. */
-static void block_values_z(query *qs, int64_t nq, const uint16_t *vals, float *vf,
-                           const pages *pg, int64_t b, int64_t S, int64_t hd) {
+static void block_values_z(query *qs, int64_t nq, const uint16_t *vals, float *vf, const pages *pg,
+                           int64_t b, int64_t S, int64_t hd) {
     const int64_t at = b * pg->size, tail = hd - hd % 64;
     to_floats(vals, block_len(pg, b, S) * hd, vf);
     for (int64_t i = 0; i < nq;) {
@@ -346,10 +351,17 @@ static void block_values_z(query *qs, int64_t nq, const uint16_t *vals, float *v
         int c = 1;
         while (c < 4 && i + c < nq && qs[i + c].S > at && block_len(pg, b, qs[i + c].S) == m) c++;
         switch (c) {
-        case 4: values_z(4, qs + i, vf, m, hd, at); break;
-        case 3: values_z(3, qs + i, vf, m, hd, at); break;
-        case 2: values_z(2, qs + i, vf, m, hd, at); break;
-        default: values_z(1, qs + i, vf, m, hd, at);
+        case 4:
+            values_z(4, qs + i, vf, m, hd, at);
+            break;
+        case 3:
+            values_z(3, qs + i, vf, m, hd, at);
+            break;
+        case 2:
+            values_z(2, qs + i, vf, m, hd, at);
+            break;
+        default:
+            values_z(1, qs + i, vf, m, hd, at);
         }
         for (int j = i; j < i + c && tail < hd; j++)
             for (int64_t t = 0; t < m; t++)
@@ -422,4 +434,3 @@ void attend(query *qs, int64_t nq, const uint16_t *kc, const uint16_t *vc, const
         }
     }
 }
-

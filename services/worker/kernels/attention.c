@@ -83,8 +83,7 @@ void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
                     const float *cos_table, const float *sin_table, const int64_t *pos,
                     const int64_t *seq, const int32_t *tables, int64_t table_stride,
                     int64_t block_size, int64_t num_blocks, uint16_t *kc, uint16_t *vc,
-                    const float *q_norm, const float *k_norm, float eps, float *out,
-                    int64_t span) {
+                    const float *q_norm, const float *k_norm, float eps, float *out, int64_t span) {
     const int64_t width = (H + 2 * KV) * hd, G = H / KV;
     const int64_t run = block_size * hd, head_stride = num_blocks * run;
     const float scale = 1.0f / sqrtf((float)hd);

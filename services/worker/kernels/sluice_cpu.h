@@ -192,10 +192,11 @@ void sl_linear_forward(const sl_linear *l, int64_t M, const int8_t *xq, const fl
 
 /* Attention over one layer of the paged KV cache for n ragged token rows (layouts above; the
  * arguments: attention.c), and a whole forward step over them (forward.c). span: more than the
- * largest position (it sizes each thread's scratch, which the kernels keep between calls). sl_forward's kc and vc point at layer 0, layer i
- * i * num_blocks * kv_heads * block_size * head_dim halves on; its logits are [n_logits, vocab],
- * row j for token row logit_rows[j] (ascending). One code path for decode and prefill: a token's
- * logits do not depend on the path, the batch, the chunk or the blocks that computed it. */
+ * largest position (it sizes each thread's scratch, which the kernels keep between calls).
+ * sl_forward's kc and vc point at layer 0, layer i i * num_blocks * kv_heads * block_size *
+ * head_dim halves on; its logits are [n_logits, vocab], row j for token row logit_rows[j]
+ * (ascending). One code path for decode and prefill: a token's logits do not depend on the path,
+ * the batch, the chunk or the blocks that computed it. */
 void sl_attention(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv, const float *cos_table,
                   const float *sin_table, const int64_t *pos, const int64_t *seq,
                   const int32_t *tables, int64_t table_stride, int64_t block_size,
