@@ -43,6 +43,16 @@ static inline int64_t block_len(const pages *pg, int64_t b, int64_t S) {
 }
 
 #if SL_AVX2
+/* How many queries from i on (i's included, at most `most`) read as many keys of block b as
+ * query i does: the ones a multi-query kernel can take together (all of a task's queries but
+ * in its last blocks, where causal rows end at different keys). Query i must read block b. */
+static int same_keys(const query *qs, int64_t nq, int64_t i, const pages *pg, int64_t b, int most) {
+    const int64_t m = block_len(pg, b, qs[i].S);
+    int c = 1;
+    while (c < most && i + c < nq && block_len(pg, b, qs[i + c].S) == m) c++;
+    return c;
+}
+
 /* eight floats at off: from the converted floats f where there are some, else from the halves h
  * (the same values: to_floats stores what load_half8 gives) */
 static inline __m256 floats8(const float *f, const uint16_t *h, int64_t off) {
@@ -95,13 +105,14 @@ static void block_scores(const float *q, const uint16_t *keys, const float *kf, 
     for (; t < n; t++) p[t] = dot_half(q, keys + t * hd, hd) * scale;
 }
 
+#if SL_AVX2 && !SL_AVX512_VNNI
 /* Two queries' scores for the same n keys of a block (block_scores for each, the same bits):
  * eight FMA chains instead of four, which is what keeps the FMA units busy; each key's floats are
- * loaded once for both. kf: the keys as floats, hd % 8 == 0. */
+ * loaded once for both. kf: the keys as floats, hd % 8 == 0. (AVX-512 takes four queries at
+ * once: scores_z.) */
 static void block_scores2(const float *q0, const float *q1, const uint16_t *keys, const float *kf,
                           int64_t n, int64_t hd, float scale, float *p0, float *p1) {
     int64_t t = 0;
-#if SL_AVX2
     for (; t + 4 <= n; t += 4) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -124,14 +135,12 @@ static void block_scores2(const float *q0, const float *q1, const uint16_t *keys
         _mm_storeu_ps(p0 + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
         _mm_storeu_ps(p1 + t, _mm_mul_ps(hsum4(b0, b1, b2, b3), _mm_set1_ps(scale)));
     }
-#else
-    (void)kf;
-#endif
     for (; t < n; t++) {
         p0[t] = dot_half(q0, keys + t * hd, hd) * scale;
         p1[t] = dot_half(q1, keys + t * hd, hd) * scale;
     }
 }
+#endif
 
 /* p := e^(p - max p) / their sum over S scores: the weights. Each is the product p_t * (1 / sum)
  * that the values' loop used to form per value (the same bits), formed once here. */
@@ -288,8 +297,7 @@ static void block_scores_z(query *qs, int64_t nq, const uint16_t *keys, float *k
             continue;
         }
         const int64_t m = block_len(pg, b, qs[i].S), n = m / 4 * 4;
-        int c = 1;
-        while (c < 4 && i + c < nq && qs[i + c].S > at && block_len(pg, b, qs[i + c].S) == m) c++;
+        const int c = same_keys(qs, nq, i, pg, b, 4);
         switch (c) {
         case 4:
             scores_z(4, qs + i, kf, n, hd, scale, at);
@@ -348,8 +356,7 @@ static void block_values_z(query *qs, int64_t nq, const uint16_t *vals, float *v
             continue;
         }
         const int64_t m = block_len(pg, b, qs[i].S);
-        int c = 1;
-        while (c < 4 && i + c < nq && qs[i + c].S > at && block_len(pg, b, qs[i + c].S) == m) c++;
+        const int c = same_keys(qs, nq, i, pg, b, 4);
         switch (c) {
         case 4:
             values_z(4, qs + i, vf, m, hd, at);
@@ -397,13 +404,15 @@ void attend(query *qs, int64_t nq, const uint16_t *kc, const uint16_t *vc, const
         for (int64_t i = 0; i < nq; i++) {
             if (qs[i].S <= b * pg->size) continue;
             const int64_t m = block_len(pg, b, qs[i].S), at = b * pg->size;
-            if (keys_vec && i + 1 < nq && block_len(pg, b, qs[i + 1].S) == m) {
+#if SL_AVX2 && !SL_AVX512_VNNI
+            if (keys_vec && same_keys(qs, nq, i, pg, b, 2) == 2) {
                 block_scores2(qs[i].q, qs[i + 1].q, keys, kf, m, hd, scale, qs[i].p + at,
                               qs[i + 1].p + at);
                 i++;
-            } else {
-                block_scores(qs[i].q, keys, keys_vec ? kf : NULL, m, hd, scale, qs[i].p + at);
+                continue;
             }
+#endif
+            block_scores(qs[i].q, keys, keys_vec ? kf : NULL, m, hd, scale, qs[i].p + at);
         }
     }
     for (int64_t i = 0; i < nq; i++) {
@@ -423,7 +432,7 @@ void attend(query *qs, int64_t nq, const uint16_t *kc, const uint16_t *vc, const
             if (qs[i].S <= b * pg->size) continue;
             const int64_t m = block_len(pg, b, qs[i].S), at = b * pg->size;
 #if SL_AVX2 && !SL_AVX512_VNNI
-            if (vals_vec && i + 1 < nq && block_len(pg, b, qs[i + 1].S) == m) {
+            if (vals_vec && same_keys(qs, nq, i, pg, b, 2) == 2) {
                 block_values2(qs[i].p + at, qs[i + 1].p + at, vals, vf, m, hd, qs[i].o,
                               qs[i + 1].o);
                 i++;
