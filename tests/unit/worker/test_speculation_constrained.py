@@ -12,7 +12,8 @@ import pytest
 
 from services.worker.constrain import ConstraintState
 from services.worker.torch_backend import TorchBackend
-from shared.jobs import Constraint, ReasoningControl, SamplingParams, ToolChoice, ToolDef
+from shared.jobs import Constraint, ReasoningControl, SamplingParams, ToolChoice
+from tests.unit.worker.test_constrained import WEATHER
 from tests.unit.worker.test_speculation import MODELS, _job, _prompts, _run, _stats, pair
 
 __all__ = ["pair"]  # the fixture, shared with test_speculation
@@ -93,17 +94,6 @@ async def test_constrained_and_free_streams_speculate_side_by_side(
     ]
     assert await batch(spec, "s") == want
     assert await batch(plain, "p") == want
-
-
-WEATHER = ToolDef(
-    name="get_weather",
-    parameters={
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-)
 
 
 @pytest.mark.parametrize("pair", [MODELS[1]], indirect=True)
