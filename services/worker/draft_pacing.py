@@ -89,7 +89,7 @@ class DraftPacer:
         if any(self.chance(record, n) > bar for n in lengths):
             return False
         for n in lengths:
-            self.shared[n] += self.DRIFT * (self.prior[n] - self.shared[n])
+            self._unused(n)
         return True
 
     def allot(self, offers: list[Offer], *, rows: int, tokens: int) -> list[int]:
@@ -116,8 +116,13 @@ class DraftPacer:
             expected, cost = expected + chance, cost + 1
         for (_, n, _), kept in zip(offers, keep, strict=True):
             if not kept:
-                self.shared[n] += self.DRIFT * (self.prior[n] - self.shared[n])
+                self._unused(n)
         return keep
+
+    def _unused(self, n: int) -> None:
+        """An offer continuing an ``n``-gram was not worth a row: that length's shared estimate
+        moves ``DRIFT`` of the way back to the prior, so a length given up on is tried again."""
+        self.shared[n] += self.DRIFT * (self.prior[n] - self.shared[n])
 
     def learn(self, record: DraftRecord, n: int, drafted: int, accepted: int) -> None:
         """Account a verified draft continuing an ``n``-gram: each verified token (the
