@@ -7,9 +7,12 @@ estimates and its rest). Knows nothing of blocks, models or token ids: the specu
 tells it how each draft fared.
 
 A draft row costs compute whether or not the model agrees with it. On the CPU kernels one more
-row costs about a quarter of a one-row step, so a row is worth adding only while its draft
+row costs a quarter to a sixth of a one-row step, so a row is worth adding only while its draft
 token's chance of acceptance beats the tokens per unit of cost that the step already yields,
-a bar that rises with the batch (``allot``). The chance is estimated per match length, the
+a bar that rises with the batch (``allot``). What a row costs against the step it joins is
+measured (``StepCost``): it differs by machine (without AMX's tiles a row is dearer once a
+step has a few), by backend (torch's GEMMs, a GPU) and by how the step runs (a GPU step with
+draft rows cannot replay a decode graph). The chance is estimated per match length, the
 strongest signal there is: a draft continuing an earlier 4-gram of the sequence is nearly
 always right when the sequence copies, one continuing a lone matching token rarely is (measured
 on the default model: 1-gram drafts 0-19 % accepted, 4-gram ones 91-100 %). Each sequence
@@ -18,9 +21,11 @@ starts from what every sequence taught the pacer for that length, then follows i
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
-__all__ = ["DraftPacer", "DraftRecord"]
+__all__ = ["DraftPacer", "DraftRecord", "StepCost"]
 
 
 @dataclass
@@ -37,16 +42,57 @@ class DraftRecord:
 Offer = tuple[DraftRecord, int, int]
 
 
+class StepCost:
+    """A step's cost in units of one draft row, as measured on this worker.
+
+    Learns from whole decode steps (the forward and the token choice after it), by the step's
+    rows: the time of a step without drafts, and the time a draft row adds to it, from steps
+    with drafts set against the plain ones. Both depend on the rows: on a Zen 4 EPYC (AVX-512,
+    no AMX) a draft row added 0.7 ms to one row's 4.9 ms step, which reading the weights bounds,
+    but 1.2 ms to four rows' 6.4 ms, where the GEMMs and attention compute. Until both are
+    known for a step's rows, the prior stands: ``BASE + rows``.
+
+    The prior is the CPU kernels' on an AMX Xeon (ops/bench/row_cost.py, default model, 2
+    threads, 400-token contexts: one row 5.5 ms, two 7.0, three 8.1, five 9.7; in a 4-stream
+    story one more row took a step from 9.0 to 10.3 ms), in units of the dearest row. On the
+    EPYC, four rows' step is 5.3 units, not the prior's 6.5, and the 73 %-accepted drafts of a
+    four-stream story, which the prior let through, made it 5 % slower (ops/bench/speculative.py).
+    """
+
+    BASE = 2.5
+    # Estimates are medians of each kind's latest steps: a step's time has a long right tail
+    # (another process takes a core), and an average it drags up would overstate a plain step
+    # against its draft rows, the side on which a wrong estimate costs speed.
+    KEEP = 15
+    MAX_UNITS = 256.0  # rows nearly free (a GPU's eager step, memory-bound): a bound all the same
+
+    def __init__(self) -> None:
+        self.plain: dict[int, deque[float]] = {}  # by rows: seconds of steps without drafts
+        self.row: dict[int, deque[float]] = {}  # by rows: seconds a draft row added to them
+
+    def observe(self, seconds: float, rows: int, drafted: int) -> None:
+        """Learn from a decode step of ``rows`` rows and ``drafted`` draft rows."""
+        if not drafted:
+            self.plain.setdefault(rows, deque(maxlen=self.KEEP)).append(seconds)
+        elif rows in self.plain:
+            added = max(seconds - median(self.plain[rows]), 0.0) / drafted
+            self.row.setdefault(rows, deque(maxlen=self.KEEP)).append(added)
+
+    def units(self, rows: int) -> float:
+        """A step of ``rows`` rows (drafts aside), in units of a draft row."""
+        if rows not in self.row:  # (measured rows' costs imply a measured plain step)
+            return self.BASE + rows
+        plain, row = median(self.plain[rows]), median(self.row[rows])
+        return min(plain / max(row, 1e-9), self.MAX_UNITS)
+
+
 class DraftPacer:
     """Decides each step's draft lengths and learns from the verified drafts."""
 
-    # A CPU step's cost in units of one more token row: BASE + rows. The unit is what the
-    # first extra row of a sequence costs, the dearest one (ops/bench/row_cost.py, default
-    # model, 2 threads, 400-token contexts: one row 5.5 ms, two 7.0, three 8.1, five 9.7; in a
-    # 4-stream story, one extra row took a step from 9.0 to 10.3 ms). Each sequence's attention
-    # adds to a step with its context, which this leaves out: the bar errs on drafting too
-    # little, never too much.
-    BASE = 2.5
+    # A draft row must beat the step's yield by this much: a draft also spreads the finish
+    # times of a batch's sequences (one that drafts ends first, and the rest run in a smaller,
+    # less efficient batch), and a near-even bet is not worth the measurement's noise.
+    MARGIN = 0.15
     # The chance before anything is known, by match length n: 0.2 n up to 0.8 (measured on
     # the default model: 1-gram drafts 0-19 % accepted, 2-grams 0-50 %, 4-grams 91-100 %). A
     # fresh 4-gram match is worth a draft in a batch of four, a fresh 1-gram match nowhere.
@@ -63,6 +109,7 @@ class DraftPacer:
     def __init__(self, max_n: int) -> None:
         self.prior = [min(self.PRIOR_STEP * n, self.PRIOR_MAX) for n in range(max_n + 1)]
         self.shared = list(self.prior)  # by match length
+        self.cost = StepCost()
 
     def chance(self, record: DraftRecord, n: int) -> float:
         """The estimated chance that a token of a draft continuing an ``n``-gram is accepted."""
@@ -84,7 +131,7 @@ class DraftPacer:
         ``tokens`` tokens: ``allot`` would keep none (its bar only rises as rows are added), so
         the sequence need not look for one, which costs ~20 us a sequence and step. Every
         length's shared estimate then drifts as an unused offer's does."""
-        bar = tokens / (self.BASE + rows)
+        bar = (1 + self.MARGIN) * tokens / self.cost.units(rows)
         lengths = range(1, len(self.shared))
         if any(self.chance(record, n) > bar for n in lengths):
             return False
@@ -99,18 +146,18 @@ class DraftPacer:
         Draft token ``j`` of an offer whose tokens are accepted with estimated probability ``a``
         is accepted with probability ``a ** j``: that is what its row adds to the step's
         expected tokens, for one unit of cost. A step yielding ``T`` tokens for cost ``C``
-        yields more per unit of time with the row only if ``a ** j > T / C``; rows are added
-        best first while that holds, so a large batch keeps only drafts likely to be accepted,
-        and a lone stream drafts on weaker evidence.
+        yields more per unit of time with the row only if ``a ** j > T / C``, here with a
+        ``MARGIN``; rows are added best first while that holds, so a large batch keeps only drafts
+        likely to be accepted, and a lone stream drafts on weaker evidence.
         """
-        expected, cost = float(tokens), self.BASE + rows
+        expected, cost = float(tokens), self.cost.units(rows)
         chances: list[tuple[float, int]] = []  # (a draft token's chance, its offer)
         for i, (record, n, length) in enumerate(offers):
             a = self.chance(record, n)
             chances.extend((a ** (j + 1), i) for j in range(length))
         keep = [0] * len(offers)
         for chance, i in sorted(chances, key=lambda c: -c[0]):
-            if chance * cost <= expected:
+            if chance * cost <= (1 + self.MARGIN) * expected:
                 break
             keep[i] += 1
             expected, cost = expected + chance, cost + 1

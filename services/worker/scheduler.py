@@ -279,6 +279,8 @@ class Scheduler:
             self.planner.guard.observe(
                 time.perf_counter() - began, decode_rows, len(ids) - decode_rows
             )
+        if self.speculator is not None:
+            self.speculator.observe(time.perf_counter() - began)
         if self.on_step is not None:
             self.on_step(time.perf_counter() - began, len(rows))
 

@@ -98,6 +98,7 @@ class Speculator:
         self.k, self.max_n, self.min_n = tokens, max_n, min_n
         self.pacer = DraftPacer(max_n)
         self.stats = SpecStats()
+        self._step: tuple[int, int] | None = None  # the decode step proposed: (rows, drafted)
 
     def propose(self, rows: Rows, planner: Planner, context_length: int) -> Rows:
         """``rows`` with each eligible decoding sequence's row count grown by its draft
@@ -130,7 +131,15 @@ class Speculator:
             draft = draft[: min(d, budget)]
             seq.draft = draft[: self._fit(planner, seq, len(draft))]
             budget -= len(seq.draft)
+        decoding = step["rows"] == step["tokens"] == len(rows)  # no prompt rows in it
+        self._step = (len(rows), sum(len(s.draft) for s, _ in rows)) if decoding else None
         return [(s, n + len(s.draft)) for s, n in rows]
+
+    def observe(self, seconds: float) -> None:
+        """The step last proposed took ``seconds``: what its rows cost (``StepCost``)."""
+        if self._step is not None:
+            self.pacer.cost.observe(seconds, *self._step)
+            self._step = None
 
     @staticmethod
     def _eligible(seq: SequenceState) -> bool:

@@ -1,10 +1,12 @@
 """``DraftPacer`` alone: how many tokens of each offered draft a step verifies, and what it
 learns from verified drafts (per sequence and, shared, per match length), with rests after
-wholly rejected drafts."""
+wholly rejected drafts; ``StepCost``: what a draft row costs, as measured."""
 
 from __future__ import annotations
 
-from services.worker.draft_pacing import DraftPacer, DraftRecord
+import pytest
+
+from services.worker.draft_pacing import DraftPacer, DraftRecord, StepCost
 
 
 def decode_step(pacer: DraftPacer, offers: list[tuple[DraftRecord, int, int]]) -> list[int]:
@@ -15,16 +17,18 @@ def decode_step(pacer: DraftPacer, offers: list[tuple[DraftRecord, int, int]]) -
 
 def test_a_row_is_kept_while_its_chance_beats_the_steps_tokens_per_cost() -> None:
     pacer = DraftPacer(4)
-    # alone, a fresh 4-gram match (prior 0.8): cost 2.5 + 1 = 3.5 for 1 token; 0.8 * 3.5 > 1,
-    # 0.64 * 4.5 > 1.8, 0.51 * 5.5 > 2.44, then 0.41 * 6.5 < 2.95: three tokens
+    # alone, a fresh 4-gram match (prior 0.8), each row against 1.15 times the tokens it adds
+    # to: cost 2.5 + 1 = 3.5 for 1 token; 0.8 * 3.5 > 1.15, 0.64 * 4.5 > 1.15 * 1.8,
+    # 0.512 * 5.5 > 1.15 * 2.44, then 0.41 * 6.5 < 1.15 * 2.95: three tokens
     assert decode_step(pacer, [(DraftRecord(), 4, 4)]) == [3]
     assert decode_step(pacer, [(DraftRecord(), 2, 4)]) == [1]  # prior 0.4
     assert decode_step(pacer, [(DraftRecord(), 1, 4)]) == [0]  # prior 0.2: never worth a row
     assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(4)]) == [1] * 4
     assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(16)]) == [0] * 16
     copying = DraftRecord(estimates={4: 0.95})
-    assert decode_step(pacer, [(copying, 4, 4)] * 4) == [4] * 4
-    assert decode_step(pacer, [(copying, 4, 4), *[(DraftRecord(), 4, 4)] * 15]) == [2] + [0] * 15
+    assert decode_step(pacer, [(copying, 4, 4)]) == [4]
+    assert decode_step(pacer, [(copying, 4, 4)] * 4) == [2] * 4
+    assert decode_step(pacer, [(copying, 4, 4), *[(DraftRecord(), 4, 4)] * 7]) == [2] + [0] * 7
     assert decode_step(pacer, [(copying, 4, 2)]) == [2]  # never more than offered
 
 
@@ -92,8 +96,44 @@ def test_a_sequence_that_cannot_draft_a_row_worth_it_is_not_searched() -> None:
         offers = [(fresh, m, 4) for m in range(1, 5)]
         none_kept = not any(pacer.allot(offers, rows=n, tokens=n))
         assert pacer.hopeless(fresh, rows=n, tokens=n) == none_kept == (n == 16)
-        assert not pacer.hopeless(copying, rows=n, tokens=n)
+        # even a copying sequence: a row at 0.95 would not beat 1.15 x 16 / 18.5
+        assert pacer.hopeless(copying, rows=n, tokens=n) == (n == 16)
     for _ in range(40):
         pacer.learn(DraftRecord(), 4, 1, 0)
     low = pacer.shared[4]
     assert pacer.hopeless(DraftRecord(), rows=16, tokens=16) and pacer.shared[4] > low
+
+
+def test_step_cost_is_the_prior_until_a_rows_plain_and_drafted_steps_are_measured() -> None:
+    cost = StepCost()
+    assert cost.units(4) == StepCost.BASE + 4
+    cost.observe(0.0060, rows=4, drafted=0)
+    assert cost.units(4) == StepCost.BASE + 4  # no draft row measured yet
+    cost.observe(0.0084, rows=4, drafted=2)  # two draft rows added 2.4 ms: 1.2 ms each
+    assert cost.units(4) == pytest.approx(0.0060 / 0.0012)
+    assert cost.units(1) == StepCost.BASE + 1  # each row count has its own
+    cost.observe(0.0050, rows=1, drafted=3)  # a drafted step with no plain one to set against
+    assert cost.units(1) == StepCost.BASE + 1
+
+
+def test_step_cost_takes_medians_so_a_slow_step_moves_it_little() -> None:
+    cost = StepCost()
+    for seconds in [0.006] * 6 + [0.030]:  # a neighbour took a core for one step
+        cost.observe(seconds, rows=4, drafted=0)
+    for seconds in [0.0072] * 6 + [0.0400]:
+        cost.observe(seconds, rows=4, drafted=1)
+    assert cost.units(4) == pytest.approx(5.0)
+
+
+def test_a_dear_measured_row_refuses_drafts_the_prior_would_verify() -> None:
+    pacer = DraftPacer(4)
+    story = [(DraftRecord(estimates={4: 0.85}), 4, 4) for _ in range(4)]
+    assert decode_step(pacer, story) == [1] * 4  # prior: 6.5 units, 0.85 * 6.5 > 1.15 * 4
+    for _ in range(3):  # measured: a draft row costs a fifth of four rows' step
+        pacer.cost.observe(0.0060, rows=4, drafted=0)
+        pacer.cost.observe(0.0072, rows=4, drafted=1)
+    assert decode_step(pacer, story) == [0] * 4  # 0.85 * 5 < 1.15 * 4
+    for _ in range(3):  # cheap rows (a memory-bound step): the whole draft is worth verifying
+        pacer.cost.observe(0.0061, rows=1, drafted=0)
+        pacer.cost.observe(0.0063, rows=1, drafted=1)
+    assert decode_step(pacer, story[:1]) == [4]

@@ -24,6 +24,7 @@ import torch
 
 from services.worker import kernels
 from services.worker.block_pool import chain_hashes
+from services.worker.draft_pacing import StepCost
 from services.worker.loaders import load_model
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.speculation import SpecStats, Speculator
@@ -66,7 +67,7 @@ async def pair(
     spec = TorchBackend(loaded, max_batch=16, speculative_tokens=4)
     # Rows as good as free: every draft the index offers is verified (save rests after misses),
     # so verification runs as often as it can; test_draft_pacing has the real bar.
-    _speculator(spec).pacer.BASE = 1e6
+    _speculator(spec).pacer.cost = FreeRows()
     await plain.start()
     await spec.start()
     try:
@@ -74,6 +75,13 @@ async def pair(
     finally:
         await spec.stop()
         await plain.stop()
+
+
+class FreeRows(StepCost):
+    """A step cost that says draft rows cost nothing beside a step, whatever is measured."""
+
+    def units(self, rows: int) -> float:
+        return 1e6
 
 
 def _speculator(b: TorchBackend) -> Speculator:

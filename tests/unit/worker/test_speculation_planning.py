@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from services.worker.draft_pacing import DraftRecord
 from services.worker.speculation import Speculator
 from tests.unit.worker.test_paging import SIZE, planner, seq, step
@@ -117,8 +119,8 @@ def test_the_step_and_the_match_set_the_length() -> None:
 
     sure, unsure = dict.fromkeys(range(1, 5), 0.95), dict.fromkeys(range(1, 5), 0.5)
     assert drafts([sure]) == [4] and drafts([unsure]) == [1]
-    assert drafts([sure] * 4) == [4] * 4 and drafts([unsure] * 4) == [0] * 4
-    assert drafts([sure] + [unsure] * 15) == [2] + [0] * 15
+    assert drafts([sure] * 4) == [2] * 4 and drafts([unsure] * 4) == [0] * 4
+    assert drafts([sure] + [unsure] * 7) == [2] + [0] * 7
     # "1" ends REPEAT + [1]: the match is the 4-gram "5 6 7 1"; only that length's record counts
     assert drafts([{4: 0.95, 1: 0.1}]) == [4] and drafts([{4: 0.1, 1: 0.95}]) == [0]
 
@@ -144,7 +146,35 @@ def test_misses_make_a_sequence_rest_and_hits_lengthen_its_drafts() -> None:
 
     assert one_step(0, 9) == 3  # two draft tokens (a 0.7 estimate), both rejected: 0.49
     assert one_step(0, 1) == 1  # rests one step, then halfway to the shared 1-gram 0.19: 0.34
-    widths = [one_step(-1, 5) - 1 for _ in range(4)]  # each accepted in full
-    assert widths == [1, 1, 2, 4]  # the estimate climbs (0.54, 0.68, 0.84 ..), up to k
+    widths = [one_step(-1, 5) - 1 for _ in range(5)]  # each accepted in full
+    assert widths == [1, 1, 2, 3, 4]  # the estimate climbs with each, up to k
     assert one_step(1, 9) == 5 and one_step(-1, 5) == 3  # a miss after one token: 0.7 again
-    assert spec.stats.drafts == 7 and spec.stats.accepted_tokens == 8 + 1 + 2
+    assert spec.stats.drafts == 8 and spec.stats.accepted_tokens == 11 + 1 + 2
+
+
+def test_the_step_cost_learns_from_decode_steps_alone() -> None:
+    """``observe`` times the step last proposed: its rows and draft rows, unless it read a
+    prompt too (a prompt chunk's rows cost differently, and yield no tokens)."""
+    p, s = decoding(REPEAT)
+    spec = Speculator(4)
+    spec.propose(p.plan(), p, context_length=1024)  # one row and four draft rows
+    spec.observe(0.009)
+    assert spec.pacer.cost.plain == {} and spec.pacer.cost.row == {}  # nothing to set it against
+    s.pace = DraftRecord(rest=5)  # resting: a plain step
+    spec.propose(p.plan(), p, context_length=1024)
+    spec.observe(0.005)
+    assert list(spec.pacer.cost.plain[1]) == [0.005]
+    spec.observe(0.007)  # no step proposed since: nothing learned
+    assert list(spec.pacer.cost.plain[1]) == [0.005]
+    s.pace = DraftRecord(estimates=dict.fromkeys(range(1, 5), 0.95))
+    spec.propose(p.plan(), p, context_length=1024)
+    spec.observe(0.009)
+    assert list(spec.pacer.cost.row[1]) == [pytest.approx(0.001)]
+    assert spec.pacer.cost.units(1) == pytest.approx(5.0)
+    fresh = seq([30, *REPEAT])
+    p.pending.append(fresh)
+    p.admit()
+    rows = spec.propose(p.plan(), p, context_length=1024)  # beside a prompt being read
+    assert any(n > 1 and not x.draft for x, n in rows)
+    spec.observe(0.050)
+    assert list(spec.pacer.cost.plain[1]) == [0.005] and 2 not in spec.pacer.cost.plain
