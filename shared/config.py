@@ -114,11 +114,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # this many times a decode-only step (measured as it runs): fewer prompt rows per step, so
     # each stream's next token is late by at most that much (0: the token budget alone).
     prefill_stall: float = 2.5
-    # SLUICE_SPECULATIVE: prompt-lookup speculative decoding on the CPU kernels: a decoding
-    # sequence's continuation of the latest earlier occurrence of its last tokens is verified in
-    # the same forward, and the model's own tokens are kept (output unchanged, token for token).
-    # On by default: drafts are verified only where the batch gains by them, so a copy runs
-    # faster and fresh text about as fast (docs/benchmarks.md, *Speculative decoding*).
+    # SLUICE_SPECULATIVE: prompt-lookup speculative decoding: a decoding sequence's continuation
+    # of the latest earlier occurrence of its last tokens is verified in the same forward, and the
+    # model's own tokens are kept (on the CPU kernels the output is unchanged bit for bit; on
+    # torch, up to float ties). On by default: drafts are verified only where the batch gains by
+    # them at the row cost measured on this worker, so a copy runs faster and fresh text about
+    # as fast (docs/benchmarks.md, *Speculative decoding*).
     speculative: bool = True
     # SLUICE_SPECULATIVE_TOKENS: draft tokens verified per sequence and step (k).
     speculative_tokens: int = 4

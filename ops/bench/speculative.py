@@ -12,6 +12,7 @@ JSON object per measurement:
 
     .venv/bin/python -m ops.bench.speculative --threads 2 --tokens 256 --concurrency 1 4
     .venv/bin/python -m ops.bench.speculative --llama-server build/bin/llama-server
+    .venv/bin/python -m ops.bench.speculative --dtype float32   # torch's model, not the kernels
 """
 
 from __future__ import annotations
@@ -95,12 +96,15 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
             max_batch=max(args.concurrency),
             speculative=True,
             speculative_tokens=args.k,
+            dtype=args.dtype,
+            cpu_kernels=not args.torch,
         ),
         args.model,
         None,
     )
     spec = b.scheduler.speculator
     assert isinstance(spec, Speculator)
+    emit({"model": {"spec": args.model, "class": type(b.scheduler.model).__name__}})
     await b.start()
     try:
         await run(b, [job(b, STORY, 0, 4)])  # warm-up
@@ -214,6 +218,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    parser.add_argument("--dtype", default="auto", help="SLUICE_DTYPE (float32: torch's model)")
+    parser.add_argument("--torch", action="store_true", help="4-bit weights on torch, not ours")
     parser.add_argument("--repeats", type=int, default=2, help="best of, per mode")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument(

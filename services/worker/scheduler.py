@@ -78,8 +78,7 @@ class Scheduler:
         ``model_id`` salts the prefix cache's hashes; ``constrainer`` fills the token masks of
         sequences that carry a ``constraint``; ``cuda_graphs`` replays decode steps on a GPU
         from graphs captured by ``start`` (``cuda_graphs.DecodeGraphs``); ``speculative_tokens``
-        > 0 verifies that many prompt-lookup draft tokens a step (``speculation.py``; the CPU
-        kernels only).
+        > 0 verifies that many prompt-lookup draft tokens a step (``speculation.py``).
         """
         self.constrainer = constrainer
         cfg = cast(LlamaConfig, model.config)  # LlamaModel or a test double with its config
@@ -108,11 +107,7 @@ class Scheduler:
         )
         on_gpu = device.type == "cuda"
         self.chooser = TokenChooser(eos_ids, tokenizer, on_device=on_gpu)
-        # token-exact only where a row's logits do not depend on the rows beside it
-        on = speculative_tokens > 0 and not on_gpu and getattr(model, "batch_invariant", False)
-        self.speculator = Speculator(speculative_tokens) if on else None
-        if speculative_tokens and not on:
-            log.info("speculative decoding off: this model's rows are not batch-invariant")
+        self.speculator = Speculator(speculative_tokens) if speculative_tokens > 0 else None
         self.graphs: DecodeGraphs | None = None
         if on_gpu and cuda_graphs and self.cache.paged_kernel:
             width = -(-min(self.context_length, self.cache.tokens) // block_size)
@@ -343,7 +338,7 @@ class Scheduler:
         for j, row in enumerate(logits):
             with self._cond:  # row j's keys and values belong to a token the model chose
                 self.planner.commit(seq, 1)
-            token, logprob = self.chooser.one(seq, row)
+            token, logprob = self.chooser.row(seq, row)
             self._advance(seq, token, logprob, [], mine)
             if seq.done or j == len(seq.draft) or token != seq.draft[j]:
                 break

@@ -6,14 +6,20 @@ forward (its last token and ``d`` drafted ones, ``drafting.NgramIndex``), with l
 them; other sequences' rows share the forward unchanged.
 
 Verification is the per-token path run once per row: the scheduler chooses row ``j``'s token
-with ``TokenChooser.one`` after feeding the tokens before it, so the forced marker, penalties,
-EOS bans, logprobs and the seeded draw all see exactly the state they would one token at a time,
-and the kernels compute each row's logits to the same bits as a lone decode row would. Row
-``j + 1`` is only valid if the token chosen at row ``j`` is the draft's ``j``-th: the first
-mismatch is the step's last token (the "bonus" on full acceptance). For greedy choice that is
-the longest matching prefix plus the argmax after it; for a draw it is exactly the sequential
-draw (a deterministic draft x is accepted with probability p(x), and a rejection yields p with x
-removed, renormalized), so the output is the model's, token for token, under either.
+with ``TokenChooser.row`` after feeding the tokens before it, so the forced marker, penalties,
+EOS bans, logprobs and the seeded draw all see exactly the state they would one token at a time
+(on a GPU, the batched chooser's counter-based draw for that position). Row ``j + 1`` is only
+valid if the token chosen at row ``j`` is the draft's ``j``-th: the first mismatch is the step's
+last token (the "bonus" on full acceptance). For greedy choice that is the longest matching
+prefix plus the argmax after it; for a draw it is exactly the sequential draw (a deterministic
+draft x is accepted with probability p(x), and a rejection yields p with x removed,
+renormalized), so the output is the model's, token for token, under either.
+
+How exact depends on the model's rows. The CPU kernels compute each row's logits to the same
+bits as a lone decode row (they are batch-invariant), so there the output is the plain output,
+bit for bit. Torch's GEMMs (a model off the kernels, a GPU) sum a row differently with the
+rows beside it, as they already do when the batch changes: the logits differ in their last
+bits, and the chosen token only where two candidates tie within that.
 
 Rollback needs no copy: rows past the accepted ones wrote keys and values at positions past
 ``kv_len``, which the next step overwrites; blocks wholly past ``kv_len`` go back to the pool.
@@ -25,12 +31,12 @@ Structured output speculates too: a draft is first cut to what the grammar allow
 ``j + 1``'s as if the draft's first ``j + 1`` tokens were chosen (llguidance consumes them and
 rolls the matcher back, ``Constrainer.begin``); a row is only read while the draft is accepted,
 so its mask is the one a one-token step would have used, and the matcher itself only ever
-consumes chosen tokens. Not speculated: prompts still being read, the GPU path (its batched
-chooser and replayed decode graphs take one row per sequence), and models whose rows are not
-batch-invariant (the scheduler builds a ``Speculator`` only for the CPU kernels).
+consumes chosen tokens. Not speculated: prompts still being read.
 
 When to draft, and how much, is ``draft_pacing.DraftPacer``'s: each draft row is weighed
-against the step it joins, by the draft's estimated chance of acceptance.
+against the step it joins, by the draft's estimated chance of acceptance and the row's measured
+cost. On a GPU a step with draft rows runs eagerly, not from a replayed decode graph, which the
+measured cost charges to the draft rows.
 """
 
 from __future__ import annotations
@@ -77,12 +83,12 @@ def forward_rows(rows: Rows) -> tuple[list[SeqRows], list[int]]:
 def split_logits(
     rows: Rows, spans: list[SeqRows], logits: torch.Tensor
 ) -> tuple[torch.Tensor, list[tuple[SequenceState, torch.Tensor]]]:
-    """The step's ``logits`` parted: the plain sequences' rows (on their device), and each
-    speculating sequence's rows (in host memory, where ``TokenChooser.one`` reads them)."""
-    host, plain, drafted, at = logits.cpu(), [], [], 0
+    """The step's ``logits`` parted: the plain sequences' rows, and each speculating
+    sequence's rows (``TokenChooser.row`` chooses from them one at a time)."""
+    plain, drafted, at = [], [], 0
     for (seq, _), span in zip(rows, spans, strict=True):
         if seq.draft:
-            drafted.append((seq, host[at : at + span.logits]))
+            drafted.append((seq, logits[at : at + span.logits]))
         elif span.logits:
             plain.append(at)
         at += span.logits

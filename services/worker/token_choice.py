@@ -56,6 +56,11 @@ class TokenChooser:
             return token, None
         return token, token_logprob(logits, token, seq.job.sampling.top_logprobs, self.tokenizer)
 
+    def row(self, seq: SequenceState, logits: torch.Tensor) -> Choice:
+        """``seq``'s token from one (V,) row, chosen the way this chooser chooses a step's: a
+        draft's verification then draws what one-token steps would have drawn."""
+        return self.batch([seq], logits[None])[0] if self.on_device else self.one(seq, logits)
+
     def batch(self, seqs: list[SequenceState], logits: torch.Tensor) -> list[Choice]:
         """Every sequence's token from the rows of ``logits`` (m, V), on their device."""
         rows = []

@@ -254,9 +254,6 @@ class QuantizedLlama(nn.Module):
     # stream's decode reads the whole cache every token, and at a few hundred tokens fp32 keys
     # and values were an eighth of the step's bytes (docs/benchmarks.md)
     kv_dtype = torch.float16
-    # a row's keys, values and logits are the same bits whatever rows share its forward (the
-    # determinism suite): speculation's verification rows then choose what one-token steps would
-    batch_invariant = True
 
     def __init__(
         self, model: LlamaModel, kernels: Kernels, file: FileWeights | None = None
