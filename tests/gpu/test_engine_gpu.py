@@ -88,3 +88,31 @@ async def test_cuda_default_model_answers_and_batches() -> None:
         print(f"cuda bf16 B=16: {tokens / (time.perf_counter() - began):.0f} tok/s aggregate")
     finally:
         await b.stop()
+
+
+async def test_cuda_speculation_verifies_drafts_beside_replayed_decode_steps(
+    tmp_path: Path,
+) -> None:
+    """On the GPU a step with draft rows runs eagerly and the others replay their graphs: the
+    greedy output is the plain one up to float ties, and the drafts are verified."""
+    from tests.determinism import greedy
+    from tests.unit.worker.test_speculation import FreeRows, _prompts
+    from tests.unit.worker.test_speculation_torch import _agree_up_to_ties
+
+    write_hf_model(tmp_path / "m", "Qwen3ForCausalLM", seed=0)
+    loaded = load_model(str(tmp_path / "m"), device="cuda", dtype="float32")
+    plain = TorchBackend(loaded, max_batch=16)
+    spec = TorchBackend(loaded, max_batch=16, speculative_tokens=4)
+    assert spec.scheduler.speculator is not None and spec.scheduler.graphs is not None
+    spec.scheduler.speculator.pacer.cost = FreeRows()
+    await plain.start()
+    await spec.start()
+    try:
+        for prompt in _prompts():
+            want = await greedy(plain, prompt, 40)
+            _agree_up_to_ties(await greedy(spec, prompt, 40), want)
+        stats = spec.scheduler.speculator.stats
+        assert 0 < stats.accepted_tokens <= stats.draft_tokens
+    finally:
+        await spec.stop()
+        await plain.stop()
