@@ -64,19 +64,29 @@ class StepCost:
     # (another process takes a core), and an average it drags up would overstate a plain step
     # against its draft rows, the side on which a wrong estimate costs speed.
     KEEP = 15
+    # A row's cost is only measured while drafts are verified, so one measured in a slow spell
+    # could keep drafts off for good: after this many plain steps of a row count without a
+    # drafted one, its row cost is forgotten and the prior decides again (a GPU that drafts
+    # without its decode graph then pays one eager step in a hundred to find out).
+    STALE = 100
     MAX_UNITS = 256.0  # rows nearly free (a GPU's eager step, memory-bound): a bound all the same
 
     def __init__(self) -> None:
         self.plain: dict[int, deque[float]] = {}  # by rows: seconds of steps without drafts
         self.row: dict[int, deque[float]] = {}  # by rows: seconds a draft row added to them
+        self.since: dict[int, int] = {}  # by rows: plain steps since the last drafted one
 
     def observe(self, seconds: float, rows: int, drafted: int) -> None:
         """Learn from a decode step of ``rows`` rows and ``drafted`` draft rows."""
         if not drafted:
             self.plain.setdefault(rows, deque(maxlen=self.KEEP)).append(seconds)
+            self.since[rows] = self.since.get(rows, 0) + 1
+            if self.since[rows] > self.STALE:
+                self.row.pop(rows, None)
         elif rows in self.plain:
             added = max(seconds - median(self.plain[rows]), 0.0) / drafted
             self.row.setdefault(rows, deque(maxlen=self.KEEP)).append(added)
+            self.since[rows] = 0
 
     def units(self, rows: int) -> float:
         """A step of ``rows`` rows (drafts aside), in units of a draft row."""
@@ -93,6 +103,13 @@ class DraftPacer:
     # times of a batch's sequences (one that drafts ends first, and the rest run in a smaller,
     # less efficient batch), and a near-even bet is not worth the measurement's noise.
     MARGIN = 0.15
+    # ... and, beside other streams, be more likely accepted than not however cheap rows are
+    # (torch's fp32 model reads its weights once for all of a step's rows, a row costing a
+    # thirtieth of a step): there a four-stream story drafting at 30 % acceptance ran
+    # 0.87-0.91x, its streams' finish times spread by the drafts and its last steps run in
+    # smaller batches, which on torch's CPU GEMMs cost more per token. A lone stream has no
+    # batch to spread.
+    MIN_CHANCE = 0.5
     # The chance before anything is known, by match length n: 0.2 n up to 0.8 (measured on
     # the default model: 1-gram drafts 0-19 % accepted, 2-grams 0-50 %, 4-grams 91-100 %). A
     # fresh 4-gram match is worth a draft in a batch of four, a fresh 1-gram match nowhere.
@@ -131,7 +148,7 @@ class DraftPacer:
         ``tokens`` tokens: ``allot`` would keep none (its bar only rises as rows are added), so
         the sequence need not look for one, which costs ~20 us a sequence and step. Every
         length's shared estimate then drifts as an unused offer's does."""
-        bar = (1 + self.MARGIN) * tokens / self.cost.units(rows)
+        bar = max((1 + self.MARGIN) * tokens / self.cost.units(rows), self._floor(tokens))
         lengths = range(1, len(self.shared))
         if any(self.chance(record, n) > bar for n in lengths):
             return False
@@ -150,14 +167,14 @@ class DraftPacer:
         ``MARGIN``; rows are added best first while that holds, so a large batch keeps only drafts
         likely to be accepted, and a lone stream drafts on weaker evidence.
         """
-        expected, cost = float(tokens), self.cost.units(rows)
+        expected, cost, floor = float(tokens), self.cost.units(rows), self._floor(tokens)
         chances: list[tuple[float, int]] = []  # (a draft token's chance, its offer)
         for i, (record, n, length) in enumerate(offers):
             a = self.chance(record, n)
             chances.extend((a ** (j + 1), i) for j in range(length))
         keep = [0] * len(offers)
         for chance, i in sorted(chances, key=lambda c: -c[0]):
-            if chance * cost <= (1 + self.MARGIN) * expected:
+            if chance * cost <= (1 + self.MARGIN) * expected or chance <= floor:
                 break
             keep[i] += 1
             expected, cost = expected + chance, cost + 1
@@ -165,6 +182,10 @@ class DraftPacer:
             if not kept:
                 self._unused(n)
         return keep
+
+    def _floor(self, tokens: int) -> float:
+        """The least chance a draft row needs in a step choosing ``tokens`` tokens."""
+        return self.MIN_CHANCE if tokens > 1 else 0.0
 
     def _unused(self, n: int) -> None:
         """An offer continuing an ``n``-gram was not worth a row: that length's shared estimate

@@ -96,7 +96,7 @@ async def test_cuda_speculation_verifies_drafts_beside_replayed_decode_steps(
     """On the GPU a step with draft rows runs eagerly and the others replay their graphs: the
     greedy output is the plain one up to float ties, and the drafts are verified."""
     from tests.determinism import greedy
-    from tests.unit.worker.test_speculation import FreeRows, _prompts
+    from tests.unit.worker.test_speculation import _prompts, verify_every_draft
     from tests.unit.worker.test_speculation_torch import _agree_up_to_ties
 
     write_hf_model(tmp_path / "m", "Qwen3ForCausalLM", seed=0)
@@ -104,7 +104,7 @@ async def test_cuda_speculation_verifies_drafts_beside_replayed_decode_steps(
     plain = TorchBackend(loaded, max_batch=16)
     spec = TorchBackend(loaded, max_batch=16, speculative_tokens=4)
     assert spec.scheduler.speculator is not None and spec.scheduler.graphs is not None
-    spec.scheduler.speculator.pacer.cost = FreeRows()
+    verify_every_draft(spec.scheduler.speculator)
     await plain.start()
     await spec.start()
     try:

@@ -137,3 +137,28 @@ def test_a_dear_measured_row_refuses_drafts_the_prior_would_verify() -> None:
         pacer.cost.observe(0.0061, rows=1, drafted=0)
         pacer.cost.observe(0.0063, rows=1, drafted=1)
     assert decode_step(pacer, story[:1]) == [4]
+
+
+def test_beside_other_streams_a_row_needs_better_than_even_odds_however_cheap() -> None:
+    pacer = DraftPacer(4)
+    for rows in (1, 4):  # rows cost a thirtieth of a step (torch's fp32 model)
+        for _ in range(3):
+            pacer.cost.observe(0.090, rows=rows, drafted=0)
+            pacer.cost.observe(0.093, rows=rows, drafted=1)
+    weak = DraftRecord(estimates=dict.fromkeys(range(1, 5), 0.45))
+    assert decode_step(pacer, [(weak, 4, 4)] * 4) == [0] * 4
+    assert pacer.hopeless(weak, rows=4, tokens=4)
+    assert decode_step(pacer, [(DraftRecord(estimates={4: 0.75}), 4, 4)] * 4) == [2] * 4
+    assert decode_step(pacer, [(weak, 4, 4)]) == [3]  # alone (no batch to spread): cost decides
+
+
+def test_a_row_cost_not_measured_for_a_hundred_plain_steps_is_forgotten() -> None:
+    cost = StepCost()
+    cost.observe(0.006, rows=1, drafted=0)
+    cost.observe(0.106, rows=1, drafted=1)  # measured in a slow spell: drafts look hopeless
+    assert cost.units(1) == pytest.approx(0.06)
+    for _ in range(StepCost.STALE):
+        cost.observe(0.006, rows=1, drafted=0)
+    assert cost.units(1) == pytest.approx(0.06)
+    cost.observe(0.006, rows=1, drafted=0)
+    assert cost.units(1) == StepCost.BASE + 1  # the prior again: drafts are tried and measured

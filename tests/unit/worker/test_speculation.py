@@ -65,9 +65,7 @@ async def pair(
     assert isinstance(loaded.model, QuantizedLlama)
     plain = TorchBackend(loaded, max_batch=16)
     spec = TorchBackend(loaded, max_batch=16, speculative_tokens=4)
-    # Rows as good as free: every draft the index offers is verified (save rests after misses),
-    # so verification runs as often as it can; test_draft_pacing has the real bar.
-    _speculator(spec).pacer.cost = FreeRows()
+    verify_every_draft(_speculator(spec))
     await plain.start()
     await spec.start()
     try:
@@ -82,6 +80,14 @@ class FreeRows(StepCost):
 
     def units(self, rows: int) -> float:
         return 1e6
+
+
+def verify_every_draft(speculator: Speculator) -> None:
+    """Rows as good as free, and no floor on a row's chance: every draft the index offers is
+    verified (save rests after misses), so verification runs as often as it can;
+    test_draft_pacing has the real bar."""
+    speculator.pacer.cost = FreeRows()
+    speculator.pacer.MIN_CHANCE = 0.0
 
 
 def _speculator(b: TorchBackend) -> Speculator:

@@ -29,7 +29,7 @@ from services.worker.token_choice import TokenChooser
 from services.worker.torch_backend import TorchBackend
 from shared.jobs import SamplingParams
 from tests.determinism import Greedy, greedy
-from tests.unit.worker.test_speculation import MODELS, FreeRows, _job, _prompts, _run
+from tests.unit.worker.test_speculation import MODELS, _job, _prompts, _run, verify_every_draft
 from tests.worker_models import write_hf_model
 
 torch.set_num_threads(2)
@@ -45,7 +45,7 @@ async def _backends(
     plain = TorchBackend(loaded, max_batch=16)
     spec = TorchBackend(loaded, max_batch=16, speculative_tokens=4)
     assert spec.scheduler.speculator is not None
-    spec.scheduler.speculator.pacer.cost = FreeRows()  # verify every draft offered
+    verify_every_draft(spec.scheduler.speculator)
     await plain.start()
     await spec.start()
     try:
