@@ -51,18 +51,12 @@ def _prompts() -> tuple[list[int], list[int]]:
     return ids, ids[:20] * 4  # the second repeats itself: drafts from the start
 
 
-@pytest.fixture
-async def pair(
-    request: pytest.FixtureRequest, tmp_path: Path
+async def backends(
+    tmp_path: Path, arch: str, seed: int, dtype: str
 ) -> AsyncIterator[tuple[TorchBackend, TorchBackend]]:
-    """A plain and a speculating backend over one tiny model on the kernels."""
-    k = kernels.load()
-    if k is None or not k.vectorized:
-        pytest.skip("the CPU kernels run only vectorized builds in the engine")
-    arch, seed = request.param
+    """A plain and a speculating backend over one tiny model (``dtype`` as ``load_model``'s)."""
     write_hf_model(tmp_path / "tiny", arch, seed=seed)
-    loaded = load_model(str(tmp_path / "tiny"), dtype="int4")
-    assert isinstance(loaded.model, QuantizedLlama)
+    loaded = load_model(str(tmp_path / "tiny"), dtype=dtype)
     plain = TorchBackend(loaded, max_batch=16)
     spec = TorchBackend(loaded, max_batch=16, speculative_tokens=4)
     verify_every_draft(_speculator(spec))
@@ -73,6 +67,20 @@ async def pair(
     finally:
         await spec.stop()
         await plain.stop()
+
+
+@pytest.fixture
+async def pair(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[TorchBackend, TorchBackend]]:
+    """A plain and a speculating backend over one tiny model on the kernels."""
+    k = kernels.load()
+    if k is None or not k.vectorized:
+        pytest.skip("the CPU kernels run only vectorized builds in the engine")
+    arch, seed = request.param
+    async for both in backends(tmp_path, arch, seed, "int4"):
+        assert isinstance(both[0].scheduler.model, QuantizedLlama)
+        yield both
 
 
 class FreeRows(StepCost):

@@ -21,38 +21,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker import kernels
-from services.worker.loaders import load_model
-from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.models.llama import LlamaModel
 from services.worker.token_choice import TokenChooser
 from services.worker.torch_backend import TorchBackend
 from shared.jobs import SamplingParams
 from tests.determinism import Greedy, greedy
-from tests.unit.worker.test_speculation import MODELS, _job, _prompts, _run, verify_every_draft
-from tests.worker_models import write_hf_model
+from tests.unit.worker.test_speculation import (
+    MODELS,
+    _job,
+    _prompts,
+    _run,
+    backends,
+    pair as pair,  # the fixture, on the kernels
+)
 
 torch.set_num_threads(2)
 
 TIE = 1e-4  # log-probability gap within which float noise may pick either token
-
-
-async def _backends(
-    tmp_path: Path, arch: str, seed: int, dtype: str
-) -> AsyncIterator[tuple[TorchBackend, TorchBackend]]:
-    write_hf_model(tmp_path / "tiny", arch, seed=seed)
-    loaded = load_model(str(tmp_path / "tiny"), dtype=dtype)
-    plain = TorchBackend(loaded, max_batch=16)
-    spec = TorchBackend(loaded, max_batch=16, speculative_tokens=4)
-    assert spec.scheduler.speculator is not None
-    verify_every_draft(spec.scheduler.speculator)
-    await plain.start()
-    await spec.start()
-    try:
-        yield plain, spec
-    finally:
-        await spec.stop()
-        await plain.stop()
 
 
 @pytest.fixture
@@ -61,26 +46,9 @@ async def torch_pair(
 ) -> AsyncIterator[tuple[TorchBackend, TorchBackend]]:
     """A plain and a speculating backend over one tiny fp32 model on torch (not the kernels)."""
     arch, seed = request.param
-    async for pair in _backends(tmp_path, arch, seed, "float32"):
-        assert isinstance(pair[0].scheduler.model, LlamaModel)
-        yield pair
-
-
-@pytest.fixture
-async def batched_pair(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[tuple[TorchBackend, TorchBackend]]:
-    """The same on the kernels, both choosing tokens with the GPU's batched chooser."""
-    k = kernels.load()
-    if k is None or not k.vectorized:
-        pytest.skip("the CPU kernels run only vectorized builds in the engine")
-    arch, seed = request.param
-    async for plain, spec in _backends(tmp_path, arch, seed, "int4"):
-        assert isinstance(plain.scheduler.model, QuantizedLlama)
-        for b in (plain, spec):
-            old = b.scheduler.chooser
-            b.scheduler.chooser = TokenChooser(old.eos_ids, old.tokenizer, on_device=True)
-        yield plain, spec
+    async for both in backends(tmp_path, arch, seed, "float32"):
+        assert isinstance(both[0].scheduler.model, LlamaModel)
+        yield both
 
 
 def _agree_up_to_ties(got: Greedy, want: Greedy) -> None:
@@ -109,11 +77,15 @@ async def test_torch_models_speculate_and_write_the_plain_output(
     assert spec.scheduler.cache.pool.used == 0
 
 
-@pytest.mark.parametrize("batched_pair", [MODELS[1]], indirect=True)
+@pytest.mark.parametrize("pair", [MODELS[1]], indirect=True)
 async def test_the_batched_chooser_verifies_drafts_draw_for_draw(
-    batched_pair: tuple[TorchBackend, TorchBackend],
+    pair: tuple[TorchBackend, TorchBackend],
 ) -> None:
-    plain, spec = batched_pair
+    """On the kernels, both backends choosing tokens with the GPU's batched chooser."""
+    plain, spec = pair
+    for b in pair:
+        old = b.scheduler.chooser
+        b.scheduler.chooser = TokenChooser(old.eos_ids, old.tokenizer, on_device=True)
     assert spec.scheduler.speculator is not None
     stats = spec.scheduler.speculator.stats
     _, repeating = _prompts()
