@@ -66,23 +66,27 @@ class StepCost:
     KEEP = 15
     # A row's cost is only measured while drafts are verified, so one measured in a slow spell
     # could keep drafts off for good: after this many plain steps of a row count without a
-    # drafted one, its row cost is forgotten and the prior decides again (a GPU that drafts
-    # without its decode graph then pays one eager step in a hundred to find out).
-    STALE = 100
+    # drafted one, its row cost is forgotten and the prior decides again. Each time it is
+    # forgotten the wait doubles, up to MAX_STALE: a GPU whose drafted steps lose their decode
+    # graph (an eager step costs several replayed ones) pays for one in 100 steps, then one in
+    # 200 .. 6,400, not one in 100 for good.
+    STALE, MAX_STALE = 100, 6400
     MAX_UNITS = 256.0  # rows nearly free (a GPU's eager step, memory-bound): a bound all the same
 
     def __init__(self) -> None:
         self.plain: dict[int, deque[float]] = {}  # by rows: seconds of steps without drafts
         self.row: dict[int, deque[float]] = {}  # by rows: seconds a draft row added to them
         self.since: dict[int, int] = {}  # by rows: plain steps since the last drafted one
+        self.stale: dict[int, int] = {}  # by rows: plain steps after which a row cost is forgotten
 
     def observe(self, seconds: float, rows: int, drafted: int) -> None:
         """Learn from a decode step of ``rows`` rows and ``drafted`` draft rows."""
         if not drafted:
             self.plain.setdefault(rows, deque(maxlen=self.KEEP)).append(seconds)
             self.since[rows] = self.since.get(rows, 0) + 1
-            if self.since[rows] > self.STALE:
-                self.row.pop(rows, None)
+            stale = self.stale.get(rows, self.STALE)
+            if self.since[rows] > stale and self.row.pop(rows, None) is not None:
+                self.stale[rows] = min(2 * stale, self.MAX_STALE)
         elif rows in self.plain:
             added = max(seconds - median(self.plain[rows]), 0.0) / drafted
             self.row.setdefault(rows, deque(maxlen=self.KEEP)).append(added)

@@ -162,3 +162,12 @@ def test_a_row_cost_not_measured_for_a_hundred_plain_steps_is_forgotten() -> Non
     assert cost.units(1) == pytest.approx(0.06)
     cost.observe(0.006, rows=1, drafted=0)
     assert cost.units(1) == StepCost.BASE + 1  # the prior again: drafts are tried and measured
+    waits = []
+    for _ in range(4):  # each time the drafts still lose, it waits twice as long to try again
+        cost.observe(0.106, rows=1, drafted=1)
+        plain = 0
+        while cost.units(1) != StepCost.BASE + 1:
+            cost.observe(0.006, rows=1, drafted=0)
+            plain += 1
+        waits.append(plain)
+    assert waits == [201, 401, 801, 1601]
