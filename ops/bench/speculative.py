@@ -70,8 +70,9 @@ def job(b: TorchBackend, text: str, i: int, tokens: int) -> Job:
     return Job.of(req, prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text)
 
 
-async def run(b: TorchBackend, jobs: list[Job]) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s over the span of the runs (after each one's first token), and the ids."""
+async def run(b: TorchBackend, clients: list[list[Job]]) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s of ``clients``, each sending its jobs one after another, over the span
+    from the moment every client has its first token to the last end; and each job's ids."""
 
     async def one(j: Job) -> tuple[float, float, list[int]]:
         first, ids = 0.0, list[int]()
@@ -82,9 +83,14 @@ async def run(b: TorchBackend, jobs: list[Job]) -> tuple[float, list[list[int]]]
                 first = time.perf_counter()
         return first, time.perf_counter(), ids
 
-    runs = await asyncio.gather(*(one(j) for j in jobs))
-    span = max(r[1] for r in runs) - max(r[0] for r in runs)
-    return sum(len(r[2]) - 1 for r in runs) / span, [r[2] for r in runs]
+    async def client(jobs: list[Job]) -> list[tuple[float, float, list[int]]]:
+        return [await one(j) for j in jobs]
+
+    runs = await asyncio.gather(*(client(c) for c in clients))
+    start = max(r[0][0] for r in runs)
+    end = max(r[-1][1] for r in runs)
+    tokens = sum(len(ids) for r in runs for _, _, ids in r) - len(clients)
+    return tokens / (end - start), [ids for r in runs for _, _, ids in r]
 
 
 async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
@@ -107,14 +113,18 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
     emit({"model": {"spec": args.model, "class": type(b.scheduler.model).__name__}})
     await b.start()
     try:
-        await run(b, [job(b, STORY, 0, 4)])  # warm-up
+        await run(b, [[job(b, STORY, 0, 4)]])  # warm-up
         for name, text in prompts().items():
             if name not in args.workloads:
                 continue
             for c in args.concurrency:
-                # distinct prompts (a number in front), so C streams do not share one prefix
-                jobs = [job(b, f"({i + 1}) {text}", i, args.tokens) for i in range(c)]
-                await run(b, [job(b, text, 99, 1)])  # the prompts' common part, cached alike
+                # distinct prompts (a number in front), so C streams do not share one prefix;
+                # with --rounds R each stream sends R of them back to back
+                jobs = [
+                    [job(b, f"({i + 1}.{r}) {text}", i, args.tokens) for r in range(args.rounds)]
+                    for i in range(c)
+                ]
+                await run(b, [[job(b, text, 99, 1)]])  # the prompts' common part, cached alike
                 rates: dict[str, list[float]] = {"off": [], "on": []}
                 outputs: dict[str, list[list[int]]] = {}
                 probes: list[dict[str, Any]] = []  # each run's load (machine_load.load_probe)
@@ -144,6 +154,7 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
                     {
                         "workload": name,
                         "concurrency": c,
+                        "rounds": args.rounds,
                         "tokens": [len(t) for t in outputs["on"]],
                         "off_tok_s": round(off, 1),
                         "on_tok_s": round(on, 1),
@@ -223,12 +234,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="best of, per mode")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="requests each stream sends back to back (1: a closed batch of C, whose last "
+        "stream may decode alone at the end; more: C clients kept busy, as a server's are)",
+    )
+    parser.add_argument(
         "--workloads", nargs="+", default=["code_edit", "quote", "story"], help="which to run"
     )
     parser.add_argument(
         "--llama-server", help="also measure this llama-server binary (speculative_llama.py)"
     )
     args = parser.parse_args()
+    if args.rounds > 1 and args.llama_server:
+        parser.error("--rounds applies to sluice's runs only: measure llama-server at 1")
     torch.set_num_threads(args.threads)
     emit({"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "k": args.k}})
     ours = asyncio.run(bench(args))
