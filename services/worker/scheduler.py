@@ -274,10 +274,11 @@ class Scheduler:
             self.planner.guard.observe(
                 time.perf_counter() - began, decode_rows, len(ids) - decode_rows
             )
+        took = time.perf_counter() - began
         if self.speculator is not None:
-            self.speculator.observe(time.perf_counter() - began)
+            self.speculator.observe(took)
         if self.on_step is not None:
-            self.on_step(time.perf_counter() - began, len(rows))
+            self.on_step(took, len(rows))
 
     def _sample(self, seqs: list[SequenceState], logits: torch.Tensor, out: Delivery) -> None:
         """Choose each sequence's next token from its row of ``logits`` and advance it."""

@@ -31,9 +31,12 @@ from tests.unit.worker.test_speculation import (
     _job,
     _prompts,
     _run,
+    _stats,
     backends,
-    pair as pair,  # the fixture, on the kernels
+    pair,
 )
+
+__all__ = ["pair"]  # the fixture, shared with test_speculation
 
 torch.set_num_threads(2)
 
@@ -67,8 +70,7 @@ async def test_torch_models_speculate_and_write_the_plain_output(
     torch_pair: tuple[TorchBackend, TorchBackend],
 ) -> None:
     plain, spec = torch_pair
-    assert spec.scheduler.speculator is not None
-    stats = spec.scheduler.speculator.stats
+    stats = _stats(spec)
     for prompt in _prompts():
         want = await greedy(plain, prompt, 40)
         spec.scheduler.clear_prefix_cache()
@@ -86,8 +88,7 @@ async def test_the_batched_chooser_verifies_drafts_draw_for_draw(
     for b in pair:
         old = b.scheduler.chooser
         b.scheduler.chooser = TokenChooser(old.eos_ids, old.tokenizer, on_device=True)
-    assert spec.scheduler.speculator is not None
-    stats = spec.scheduler.speculator.stats
+    stats = _stats(spec)
     _, repeating = _prompts()
     cases = [
         SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
