@@ -7,7 +7,7 @@
 # Logs and the benchmark's JSON lines go to OUT_DIR (default gpu-results). Each part has its own
 # time limit (TEST_TIMEOUT, BENCH_TIMEOUT seconds) so one that hangs leaves the other its time.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 out="${1:-gpu-results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
