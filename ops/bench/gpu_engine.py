@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, models
 
-from services.worker import skinny
 from services.worker.models import MODELS
 from services.worker.models.llama import LlamaModel
 from services.worker.sampling import SamplingConfig
@@ -292,8 +291,6 @@ def bench_shape(
 ) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    skinny.CHOICES.clear()  # each run measures its own sites
-    skinny.TIMINGS.clear()
     t = time.perf_counter()
     model = build(shape, device, dtype)
     built_s = time.perf_counter() - t
@@ -331,11 +328,6 @@ def bench_shape(
     try:
         for b in args.batches:
             row = decode_run(sched, b, args.prompt, args.tokens, c.vocab_size)
-            if b <= skinny.MAX_ROWS:  # which sites of this bucket's steps took the kernels
-                chosen = [v for k, v in skinny.CHOICES.items() if k[-1] == b and k[2] == dtype]
-                row["skinny_sites"] = f"{sum(v is not None for v in chosen)}/{len(chosen)}"
-                if b == 1:
-                    emit_sites(shape, dtype, emit)
             # keys read by a step: each sequence's context, mid-way through its 128 tokens
             kv = b * (args.prompt + args.tokens // 2) * per_kv
             floor = (weights + kv) / hw["copy_bytes_per_s"]
@@ -354,27 +346,6 @@ def bench_shape(
             torch.cuda.empty_cache()
 
 
-def emit_sites(shape: str, dtype: torch.dtype, emit: Callable[[dict[str, Any]], None]) -> None:
-    """Each one-row site's measured times (torch's ops, each skinny kernel shape) in µs, and the
-    weight's read rate at the fastest."""
-    names = {skinny.PLAIN: "linear", skinny.NORM: "norm", skinny.ADD_NORM: "add_norm"}
-    names[skinny.SWIGLU] = "swiglu"
-    size = torch.empty(0, dtype=dtype).element_size()
-    for key, times in skinny.TIMINGS.items():
-        mode, wshape, kind, _, rows = key
-        if rows != 1 or kind != dtype:
-            continue
-        n, k = wshape
-        emit(
-            {
-                "shape": shape,
-                "site": f"{names[mode]} {n}x{k}",
-                **{f"{name}_us": s * 1e6 for name, s in times.items()},
-                "best_gb_s": n * k * size / min(times.values()) / 1e9,
-            }
-        )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -385,14 +356,6 @@ def main() -> None:
     # large, so every batch's prompts are read before its first sequences finish: the decode
     # steps measured are those of all B sequences
     p.add_argument("--budget", type=int, default=16384, help="SLUICE_MAX_BATCHED_TOKENS")
-    p.add_argument(
-        "--skinny",
-        nargs="+",
-        choices=["on", "off"],
-        default=["on"],
-        help="few-row decode steps through services/worker/skinny.py's fused kernels (on), or "
-        "the separate norm/gate kernels and cuBLAS (off); both: each shape twice, same run",
-    )
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args()
 
@@ -408,16 +371,10 @@ def main() -> None:
     hw = machine(device)
     emit({"device": name, "torch": torch.__version__, **hw})
     for shape in args.shapes:
-        for mode in args.skinny:
-            skinny.ENABLED = mode == "on"
-
-            def tagged(row: dict[str, Any], mode: str = mode) -> None:
-                emit({**row, "skinny": mode})
-
-            try:
-                bench_shape(shape, args, hw, tagged)
-            except Exception as exc:  # keep the other shapes' numbers
-                tagged({"shape": shape, "error": repr(exc)})
+        try:
+            bench_shape(shape, args, hw, emit)
+        except Exception as exc:  # keep the other shapes' numbers
+            emit({"shape": shape, "error": repr(exc)})
 
 
 if __name__ == "__main__":

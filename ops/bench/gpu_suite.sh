@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -o filterwarnings=default \
     tests/gpu tests/unit/worker/test_paged_attention.py tests/unit/worker/test_cuda_graphs.py \
     tests/unit/worker/test_batch_sampling.py tests/unit/worker/test_batch_sampling_engine.py \
-    tests/unit/worker/test_fused_ops.py tests/unit/worker/test_skinny.py 2>&1 | tee "$out/tests.log"
+    tests/unit/worker/test_fused_ops.py 2>&1 | tee "$out/tests.log"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
 timeout "${BENCH_TIMEOUT:-300}" python3 -m ops.bench.gpu_engine --out "$out/bench.jsonl" \
     ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker import fused_ops, skinny
+from services.worker import fused_ops
 from services.worker.kv_cache import AttentionBatch, PagedKVCache
 from services.worker.models.checkpoint import WeightError, check_tensors, fused_names
 from services.worker.paged_attention import paged_attention
@@ -292,19 +292,20 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The residual stream after this block, and on the GPU the MLP's output not yet added
         to it: the next block's first kernel adds ``pending`` and normalises in one pass
-        (``fused_ops.add_rms_norm``, or with the qkv projection in ``skinny``). Elsewhere
-        ``pending`` stays None and the adds are torch's."""
+        (``fused_ops.add_rms_norm``: two kernels a layer fewer). Elsewhere ``pending`` stays
+        None and the adds are torch's."""
         if not fused_ops.wanted(x):
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
             return x + self.mlp(self.post_attention_layernorm(x)), None
-        # a decode step of a few rows fuses each norm and the gate into the linear after it
-        # (``skinny``); otherwise these are the separate kernels
-        attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        x, qkv = skinny.norm_linear(x, pending, norm1.weight, norm1.eps, attn.qkv)
-        y = skinny.linear(attn.attend(qkv, cos, sin, batch, cache), attn.o_proj)
-        x, gate_up = skinny.norm_linear(x, y, norm2.weight, norm2.eps, mlp.gate_up)
-        return x, skinny.swiglu_linear(gate_up, mlp.down_proj)
+        if pending is None:
+            h = norm1(x)
+        else:
+            x, h = fused_ops.add_rms_norm(x, pending, norm1.weight, norm1.eps)
+        x, h = fused_ops.add_rms_norm(
+            x, self.self_attn(h, cos, sin, batch, cache), norm2.weight, norm2.eps
+        )
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -360,14 +361,9 @@ class LlamaModel(nn.Module):
         pending = None
         for block in self.layers:
             x, pending = block(x, cos, sin, batch, cache, pending)
-        rows = batch.logit_rows  # (m,): no lm_head for the other prompt rows
-        if pending is not None:  # the GPU's blocks: the last add, the norm and the head
-            norm = self.norm
-            _, logits = skinny.norm_linear(
-                x[rows], pending[rows], norm.weight, norm.eps, self.lm_head
-            )
-            return logits.float()
-        x = self.norm(x[rows])  # (m, C)
+        if pending is not None:
+            x = x + pending
+        x = self.norm(x[batch.logit_rows])  # (m, C): no lm_head for the other prompt rows
         m = x.shape[0]
         if x.device.type == "cpu" and 1 < m < 4:
             # torch's CPU GEMM takes a slower path for 2 or 3 rows: SmolLM2's fp32 head (49152
