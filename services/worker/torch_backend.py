@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from services.worker.constrain import Constrainer
+from services.worker.handoff import Item, Mailbox, Outbox
 from services.worker.kv_cache import PagedKVCache
 from services.worker.loaders import LoadedModel, load_model
 from services.worker.models.kernel_llama import QuantizedLlama
@@ -30,7 +31,7 @@ from services.worker.scheduler import Scheduler
 from services.worker.sequence import DecoderFactory, DecoderLike, SequenceState
 from shared.config import Settings
 from shared.errors import ContextOverflow, InvalidRequest
-from shared.events import AnyEvent, is_terminal, join_deltas
+from shared.events import AnyEvent, is_terminal
 from shared.jobs import Job
 from shared.model_card import ModelCard
 from shared.prompt import starts_in_reasoning
@@ -119,6 +120,7 @@ class TorchBackend:
         """
         self.loaded = loaded
         self.stream_interval_s = stream_interval_s
+        self._outbox: Outbox | None = None  # the decode thread's hand-off to the serving loop
         self.card: ModelCard = loaded.card
         gpu = loaded.device.type == "cuda"
         self.max_batch = max_batch or (256 if gpu else 64)
@@ -267,7 +269,9 @@ class TorchBackend:
             ContextOverflow: the prompt leaves no room to generate.
         """
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[list[AnyEvent] | BaseException] = asyncio.Queue()
+        if self._outbox is None or self._outbox.loop is not loop:
+            self._outbox = Outbox(loop)
+        outbox, box = self._outbox, Mailbox(loop)
         freed = loop.create_future()
 
         def resolve_freed() -> None:
@@ -277,8 +281,8 @@ class TorchBackend:
         def on_freed() -> None:
             loop.call_soon_threadsafe(resolve_freed)
 
-        def emit(item: list[AnyEvent] | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        def emit(item: Item) -> None:
+            outbox.put(box, item)
 
         seq = self._sequence(job, resume_token_ids, attempt, emit, on_freed)
         # Compiling a grammar can take milliseconds: here, not on the decode thread.
@@ -295,7 +299,7 @@ class TorchBackend:
         due = 0.0 if paced else None  # loop time from which the next batch may go out
         try:
             while not finished:
-                batch, error = await _gather(queue, due)
+                batch, error = await box.take(due)
                 if batch:
                     finished = any(is_terminal(e) for e in batch)
                     due = loop.time() + self.stream_interval_s if paced else None
@@ -358,41 +362,3 @@ class TorchBackend:
             cuda_graphs=settings.cuda_graphs,
             speculative_tokens=settings.speculative_tokens if settings.speculative else 0,
         )
-
-
-async def _gather(
-    queue: asyncio.Queue[list[AnyEvent] | BaseException], due: float | None
-) -> tuple[list[AnyEvent], BaseException | None]:
-    """The next batch to hand on: the steps' batches waiting in ``queue`` and those that arrive
-    before loop time ``due``, with their runs of deltas joined; a terminal event ends it at
-    once, and so does an error, returned beside the events before it (the caller hands those on,
-    then raises it). ``due`` None (no pacing): the next step's batch alone, as it came.
-
-    Why: one stream on a small model makes a step every few milliseconds, and each batch handed
-    on costs a Redis entry, the API's projection and a frame the client parses, on the cores
-    the model computes on; at ``SLUICE_STREAM_INTERVAL_S`` apart, a fast stream's deltas carry
-    a few tokens each, while a step slower than that (a busy batch) still goes out alone.
-    """
-    loop = asyncio.get_running_loop()
-    events: list[AnyEvent] = []
-    item = await queue.get()
-    if due is None:
-        return ([], item) if isinstance(item, BaseException) else (item, None)
-    while not isinstance(item, BaseException):
-        events.extend(item)
-        if any(is_terminal(e) for e in item):
-            break
-        if queue.empty():
-            wait = due - loop.time()
-            if wait <= 0:
-                break
-            try:
-                async with asyncio.timeout(wait):
-                    item = await queue.get()
-            except TimeoutError:
-                break
-        else:
-            item = queue.get_nowait()
-    else:
-        return join_deltas(events), item
-    return join_deltas(events), None
