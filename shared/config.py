@@ -59,10 +59,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # SLUICE_STREAM_INTERVAL_S: the least time between two publishes of one request; the
     # steps in between go out together (0: every step as its own entry)
     stream_interval_s: float = 0.02
-    # SLUICE_SWITCH_INTERVAL_S: the worker's GIL switch interval (sys.setswitchinterval). The
-    # decode thread, back from a GPU step, waits for the GIL while the event loop publishes;
-    # Python's default (5 ms, also what 0 keeps) is two decode steps of a small model on a GPU
-    switch_interval_s: float = 0.0005
     lease_ttl_s: float = 5.0  # SLUICE_LEASE_TTL_S: a worker silent this long is presumed dead
     heartbeat_s: float = 1.0  # SLUICE_HEARTBEAT_S: lease/heartbeat refresh period
     max_attempts: int = 3  # SLUICE_MAX_ATTEMPTS: worker deaths tolerated per request

@@ -220,8 +220,6 @@ def _affinity(settings: Settings, backend: Backend, wc: WorkerContext) -> dict[s
 def run_worker(settings: Settings, model_spec: str, name: str | None) -> int:
     """Serve ``model_spec`` until SIGTERM/SIGINT; exit code 2 when the model cannot load."""
     logs.configure(settings)
-    if settings.switch_interval_s > 0:  # see Settings.switch_interval_s; 0: Python's 5 ms
-        sys.setswitchinterval(settings.switch_interval_s)
     try:
         backend = load_backend(settings, model_spec, name)
     except Exception as exc:  # one clear line for the operator, no traceback
