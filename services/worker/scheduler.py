@@ -4,9 +4,9 @@ Owns the loop: each step admits what the paged cache can hold, asks the planner
 (``paging.Planner``) for the step's rows (every decoding sequence's next token plus prompt
 chunks within ``max_batched_tokens``), runs them as one forward, and turns the logits into
 tokens (forced marker, penalties, EOS masking, sampling, logprobs), stop conditions and events;
-a sequence's blocks are freed the moment it finishes or is cancelled. Events go back to each
-sequence's asyncio queue through ``loop.call_soon_threadsafe``; the asyncio side
-(``torch_backend.TorchBackend``) never touches tensors. Knows nothing about Redis.
+a sequence's blocks are freed the moment it finishes or is cancelled. Events go back through
+each sequence's ``emit`` (on the worker, the ``handoff.Outbox`` to the event loop); the asyncio
+side (``torch_backend.TorchBackend``) never touches tensors. Knows nothing about Redis.
 
 A step mixes decode rows and prompt chunks in one forward, so a long prompt arriving while
 streams decode costs each of them a slightly longer step rather than a stall for the whole

@@ -3,8 +3,9 @@
 Owns ``TorchBackend``: ``TorchBackend.load`` turns settings + a model spec into a ready backend;
 ``generate`` takes the job's prompt ids (the API rendered and tokenized them), resolves the
 sampling config and the seeded generator, submits a ``SequenceState`` to the ``Scheduler``
-thread and relays its event batches from an asyncio queue. Closing the iterator early cancels:
-its blocks are freed before ``aclose`` returns. Knows nothing about Redis.
+thread and relays its event batches, paced, from the request's ``handoff.Mailbox``. Closing the
+iterator early cancels: its blocks are freed before ``aclose`` returns. Knows nothing about
+Redis.
 
 It also sizes the paged KV cache (``SLUICE_KV_CACHE_BYTES``, or ``SLUICE_MAX_CACHED_TOKENS``
 tokens; by default a share of the machine's memory or of the GPU's free memory) and rejects,
