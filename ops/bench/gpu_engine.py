@@ -137,6 +137,32 @@ def build(shape: str, device: torch.device, dtype: torch.dtype) -> LlamaModel:
     return model.eval()
 
 
+def engine_scheduler(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    batch: int,
+    context: int,
+    budget: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Scheduler:
+    """The real ``Scheduler`` for ``batch`` sequences of ``context`` tokens, with a decoder that
+    emits nothing and no EOS (unstarted: ``start`` captures the decode graphs on a GPU)."""
+    per_seq = -(-context // 16) + 1
+    return Scheduler(
+        model,
+        tokenizer,
+        eos_ids=[],
+        max_batch=batch,
+        device=device,
+        dtype=dtype,
+        make_decoder=lambda *_: CountOnly(),
+        num_blocks=batch * per_seq + 8,
+        max_batched_tokens=budget,
+        cuda_graphs=device.type == "cuda",
+    )
+
+
 def weight_bytes_per_step(model: LlamaModel) -> int:
     """Weights a decode step reads: every parameter, except an untied embedding table (a step
     reads only its batch's rows of it)."""
@@ -296,21 +322,9 @@ def bench_shape(
     built_s = time.perf_counter() - t
     c = model.config
     top = max(args.batches)
-    per_seq = -(-(args.prompt + args.tokens) // 16) + 1
     tok = Tokenizer(models.WordLevel({"x": 0}, unk_token="x"))
     t = time.perf_counter()
-    sched = Scheduler(
-        model,
-        tok,
-        eos_ids=[],
-        max_batch=top,
-        device=device,
-        dtype=dtype,
-        make_decoder=lambda *_: CountOnly(),
-        num_blocks=top * per_seq + 8,
-        max_batched_tokens=args.budget,
-        cuda_graphs=device.type == "cuda",
-    )
+    sched = engine_scheduler(model, tok, top, args.prompt + args.tokens, args.budget, device, dtype)
     sched.start()
     capture_s = time.perf_counter() - t
     weights = weight_bytes_per_step(model)

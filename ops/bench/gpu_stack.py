@@ -39,7 +39,6 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import random
 import re
 import shutil
 import signal
@@ -54,49 +53,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import jinja2
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from ops.bench.chat_clients import client_child
 from ops.bench.machine_load import load_probe
+from ops.bench.random_hf_model import NAME, prompts, write_model
 from services.children import terminate
 from services.redis_local import PrivateRedis, find_redis_server, start_private_redis
 
 ROOT = Path(__file__).resolve().parents[2]
-NAME = "bench"  # the served model id
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ROLES = ["user", "assistant", "system"]  # the template's words, ids after the specials
-FIRST_WORD = len(SPECIAL) + len(ROLES)  # prompts draw from the plain words only
-CHAT_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 TICK = os.sysconf("SC_CLK_TCK")
 LOG_CAP = 200_000  # bytes kept of each log (its tail): what comes back from a device is capped
-
-
-def write_model(directory: Path, shape: str, device: str) -> None:
-    """A random bf16 model of ``shape`` in the Hugging Face layout ``load_hf_dir`` reads."""
-    import torch
-    from safetensors.torch import save_file
-
-    from ops.bench.gpu_engine import SHAPES, build
-    from tests.worker_models import hf_state_dict
-
-    directory.mkdir(parents=True)
-    cfg = SHAPES[shape]
-    state = hf_state_dict(build(shape, torch.device(device), torch.bfloat16))
-    save_file({k: v.cpu() for k, v in state.items()}, str(directory / "model.safetensors"))
-    config = {**cfg, "torch_dtype": "bfloat16", "eos_token_id": SPECIAL.index("<|im_end|>")}
-    (directory / "config.json").write_text(json.dumps(config))
-    words = [*SPECIAL, *ROLES] + [f"w{i}" for i in range(FIRST_WORD, int(cfg["vocab_size"]))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=SPECIAL[0]))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # no decoder: ids decode space-joined
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tok.save(str(directory / "tokenizer.json"))
-    tok_cfg = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "add_bos_token": False}
-    (directory / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    (directory / "generation_config.json").write_text(json.dumps({"do_sample": False}))
 
 
 def engine_child(directory: str, a: dict[str, Any], log: str, results: Any) -> None:
@@ -107,26 +73,17 @@ def engine_child(directory: str, a: dict[str, Any], log: str, results: Any) -> N
     try:
         import torch
 
-        from ops.bench.gpu_engine import CountOnly, decode_run
+        from ops.bench.gpu_engine import decode_run, engine_scheduler
         from services.worker.loaders import load_model
-        from services.worker.scheduler import Scheduler
 
         began = time.perf_counter()
         write_model(Path(directory), a["shape"], a["device"])
         written = time.perf_counter() - began
         loaded = load_model(directory, name=NAME, device=a["device"], dtype=a["dtype"])
         b, dev = a["streams"], loaded.device
-        sched = Scheduler(  # as gpu_engine.bench_shape builds it
-            loaded.model,
-            loaded.tokenizer,
-            eos_ids=[],
-            max_batch=b,
-            device=dev,
-            dtype=loaded.dtype,
-            make_decoder=lambda *_: CountOnly(),
-            num_blocks=b * (-(-(a["prompt"] + a["tokens"]) // 16) + 1) + 8,
-            max_batched_tokens=a["budget"],
-            cuda_graphs=dev.type == "cuda",
+        context = a["prompt"] + a["tokens"]
+        sched = engine_scheduler(
+            loaded.model, loaded.tokenizer, b, context, a["budget"], dev, loaded.dtype
         )
         sched.start()
         try:
@@ -281,19 +238,6 @@ class Stack:
         for log in self.logs.glob("*.log"):
             if log.stat().st_size > LOG_CAP:
                 log.write_bytes(b"[...]\n" + log.read_bytes()[-LOG_CAP:])
-
-
-def prompts(model: Path, count: int, tokens: int, seed: int) -> list[str]:
-    """``count`` prompts of random words, each ``tokens`` tokens once the template wraps it."""
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    wrap = jinja2.Template(CHAT_TEMPLATE).render(
-        messages=[{"role": "user", "content": ""}], add_generation_prompt=True
-    )
-    n = max(1, tokens - len(tok.encode(wrap).ids))
-    rng, vocab = random.Random(seed), tok.get_vocab_size()
-    return [
-        " ".join(f"w{rng.randrange(FIRST_WORD, vocab)}" for _ in range(n)) for _ in range(count)
-    ]
 
 
 def summarise(recs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
