@@ -73,7 +73,13 @@ class Mailbox:
         """The next batch to hand on: the items waiting and those that arrive before loop time
         ``due``, their runs of deltas joined. A terminal event ends the batch at once, and so
         does an error, returned beside the events before it (the caller hands those on, then
-        raises it). ``due`` None (no pacing): the next step's item alone, as it came."""
+        raises it). ``due`` None (no pacing): the next step's item alone, as it came.
+
+        Why pace: one stream on a small model makes a step every few milliseconds, and each
+        batch handed on costs a Redis entry, the API's projection and a frame the client
+        parses, on the cores the model computes on; at ``SLUICE_STREAM_INTERVAL_S`` apart, a
+        fast stream's deltas carry a few tokens each, while a step slower than that (a busy
+        batch) still goes out alone."""
         if not self._items:
             await self._wait(patient=False)
         if due is None:
