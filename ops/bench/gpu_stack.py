@@ -42,7 +42,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,13 +54,13 @@ from typing import Any
 import httpx
 
 from ops.bench.chat_clients import client_child
-from ops.bench.machine_load import load_probe
+from ops.bench.machine_load import cpu_seconds, load_probe
 from ops.bench.random_hf_model import NAME, prompts, write_model
+from ops.bench.streams import free_port
 from services.children import terminate
 from services.redis_local import PrivateRedis, find_redis_server, start_private_redis
 
 ROOT = Path(__file__).resolve().parents[2]
-TICK = os.sysconf("SC_CLK_TCK")
 LOG_CAP = 200_000  # bytes kept of each log (its tail): what comes back from a device is capped
 
 
@@ -95,22 +94,6 @@ def engine_child(directory: str, a: dict[str, Any], log: str, results: Any) -> N
         results.put({"device_name": name, "torch": torch.__version__, "write_s": written, **row})
     except BaseException as exc:
         results.put({"error": repr(exc), "traceback": traceback.format_exc()[-3000:]})
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds of a process, all threads (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(rest[11]) + int(rest[12])) / TICK
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def redis_binary() -> tuple[Path, str]:
@@ -163,7 +146,7 @@ class Stack:
         }
         cli = [sys.executable, "-m", "services.cli"]  # console scripts may not be on PATH
         self.spawn("worker", [*cli, "worker"], env)
-        ports = [_free_port() for _ in range(args.api_workers)]
+        ports = [free_port() for _ in range(args.api_workers)]
         for i, port in enumerate(ports):
             name = "api" if args.api_workers == 1 else f"api{i}"
             self.spawn(name, [*cli, "api"], {**env, "SLUICE_PORT": str(port)})
@@ -206,12 +189,12 @@ class Stack:
         pids |= {"redis": self.redis.process.pid} if self.redis else {}
         pids |= {f"clients{i}": int(c.pid) for i, c in enumerate(self.children)}
         row: dict[str, Any] = {}
-        cpu0, began = {n: _cpu_s(p) for n, p in pids.items()}, time.monotonic()
+        cpu0, began = {n: cpu_seconds(p) for n, p in pids.items()}, time.monotonic()
         with load_probe(list(pids.values()), row):
             go.set()
             outs = [results.get(timeout=args.round_timeout + 30)[1] for _ in self.children]
         wall = time.monotonic() - began
-        row["cpu_cores"] = {n: round((_cpu_s(p) - cpu0[n]) / wall, 3) for n, p in pids.items()}
+        row["cpu_cores"] = {n: round((cpu_seconds(p) - cpu0[n]) / wall, 3) for n, p in pids.items()}
         for c in self.children:
             c.join(10)
         self.children = []

@@ -42,6 +42,11 @@ def _pid_stat(pid: int | str) -> tuple[float, int]:
     return (int(rest[11]) + int(rest[12])) / TICK, int(rest[16])
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of one process, all threads (0 once it is gone)."""
+    return _pid_stat(pid)[0]
+
+
 def _niced_cpu_s(exclude: set[int]) -> dict[int, float]:
     """CPU seconds of every live niced (nice > 0) process outside ``exclude``, by pid."""
     out: dict[int, float] = {}

@@ -8,7 +8,6 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.bench.machine_load import attempts, emit, load_probe
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ops.bench.streams import free_port
 
 
 def _wait(check: Callable[[], bool], seconds: float, what: str) -> None:
@@ -42,7 +36,7 @@ def run_stack(args: argparse.Namespace, threads: int, prompt: str) -> list[dict[
     streaming chat client asking ``prompt``."""
     import httpx
 
-    rport, aport = _free_port(), _free_port()
+    rport, aport = free_port(), free_port()
     env = {
         **os.environ,
         "SLUICE_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
