@@ -24,6 +24,7 @@ import pytest
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[2]
+CONTAINER_LINE = re.compile(r"\s*[\w.-]+_\d+\s+\|")  # docker-compose logs: "api_1  | ..."
 
 
 def _no_engine_reason() -> str | None:
@@ -64,8 +65,8 @@ def test_compose_stack() -> None:
             # them to the next run, which stops an orphaned engine before it starts).
             proc.terminate()
             _, stderr = proc.communicate(timeout=180)
-            pytest.fail(f"ops/compose-test ran past 24 minutes: {stderr[-12000:]}")
-    assert proc.returncode == 0, stderr[-12000:]
+            pytest.fail(f"ops/compose-test ran past 24 minutes: {_why(stderr)}")
+    assert proc.returncode == 0, _why(stderr)
     report = json.loads(report_file.read_text())
     numbers = report["report"]
     for key in ("build_s", "up_to_first_answer_s", "total_s"):
@@ -81,3 +82,10 @@ def test_compose_stack() -> None:
             assert re.sub(r" \w+_\w+ ", " req_… ", how.removeprefix("as: "), count=1) == line
         elif "--profile monitoring" not in line or "grafana" not in numbers:
             assert how.startswith("as written"), (line, how)
+
+
+def _why(stderr: str) -> str:
+    """The script's own lines (a failed check's JSON, its log) before the containers' logs that
+    its cleanup prints last, which alone would fill a truncated message."""
+    own = [line for line in stderr.splitlines() if not CONTAINER_LINE.match(line)]
+    return "\n".join(own[-60:]) + "\n--- the end of the output ---\n" + stderr[-6000:]
