@@ -196,6 +196,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # choices, one run per prompt in order (OpenAI's ``index = prompt * n + j``); each choice's
     # job carries its own prompt. 1 everywhere else.
     prompts: int = 1
+    # True: the last message is the start of the answer (an assistant prefill: Anthropic's final
+    # assistant turn, vLLM's ``continue_final_message``); the prompt ends inside that message,
+    # with no end-of-turn, and the answer's events carry only what follows it.
+    continue_final: bool = False
 
 
 def choice_id(rid: str, index: int) -> str:

@@ -240,19 +240,26 @@ class PromptRenderer:
             job, self.card.chat_template, reasoning_when_hidden=self.reasoning_when_hidden
         )
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
+        final = _prefill(job)
+        if final is not None:
+            add_generation_prompt = False
+            if not final:  # nothing to continue: an answer of its own, after the turns before
+                messages, add_generation_prompt = messages[:-1], True
+                final = None
         for key in _RESERVED:
             kwargs.pop(key, None)
         kwargs.setdefault("bos_token", self.card.bos_token)
         kwargs.setdefault("eos_token", self.card.eos_token)
 
         def render(msgs: list[dict[str, Any]], tls: list[dict[str, Any]] | None) -> str:
-            return render_chat_template(
+            text = render_chat_template(
                 self.card.chat_template,
                 msgs,
                 tools=tls,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
             )
+            return text if final is None else _cut_after(text, str(msgs[-1]["content"]).strip())
 
         text = render(messages, tools)
         originals: list[str] = []
@@ -358,3 +365,31 @@ def _renderings(value: str) -> list[str]:
         json.dumps(value)[1:-1],
     ]
     return list(dict.fromkeys(forms))
+
+
+def _prefill(job: GenerateRequest) -> str | None:
+    """The text the answer continues (``job.continue_final``), stripped as Hugging Face's
+    ``continue_final_message`` strips it; None when the job starts an answer of its own.
+
+    Raises:
+        TemplateError: the last message is not the assistant's.
+    """
+    if not job.continue_final:
+        return None
+    if not job.messages or job.messages[-1].role != "assistant":
+        raise TemplateError("only a final assistant message can be continued")
+    return job.messages[-1].text.strip()
+
+
+def _cut_after(text: str, final: str) -> str:
+    """``text`` up to the end of its last occurrence of ``final``: the template's end-of-turn
+    after the final message goes, so the model writes on inside it (the way Hugging Face's and
+    vLLM's ``continue_final_message`` do it; a template may change the message's surrounding
+    whitespace, not its text)."""
+    at = text.rfind(final)
+    if at < 0:
+        raise TemplateError(
+            "the chat template does not render the final assistant message's text as written, "
+            "so it cannot be continued"
+        )
+    return text[: at + len(final)]

@@ -8,8 +8,8 @@ becomes ``InvalidRequest`` with the offending ``param``, which the app renders a
 
 What clients actually send, and so what is accepted: ``system`` as a string or text blocks,
 ``role: "system"`` turns inside ``messages`` (Claude Code), ``thinking`` / ``redacted_thinking``
-blocks replayed with any or an empty signature (always accepted), and sampling knobs the 1.x+
-SDKs only pass through ``extra_body``.
+blocks replayed with any or an empty signature (always accepted), sampling knobs the 1.x+ SDKs
+only pass through ``extra_body``, and a final assistant turn: a prefill (``prefill``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Literal
 
 import msgspec
 
+from services.api.wire.anthropic_messages.prefill import prefilled
 from services.api.wire.anthropic_messages.request_types import (
     BLOCK_TYPES,
     ContentBlock,
@@ -248,6 +249,7 @@ def build_job(
         created=created,
         user=metadata.user_id,
         metadata={"script": metadata.script} if metadata.script else {},
+        continue_final=prefilled(req),
     )
 
 

@@ -112,6 +112,8 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     ignore_eos: bool | None = None
     min_tokens: WireInt | None = None
     speculative: bool | None = None  # sluice's extension: false turns speculation off
+    # vLLM's: the answer continues the final assistant message (a prefill) instead of a new turn
+    continue_final_message: bool | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     modalities: list[str] | None = None  # ["text"] is all sluice answers with
@@ -197,6 +199,7 @@ def parse_request(
         metadata=dict(req.metadata or {}),
         store=req.store is not False,
         n=1 if req.n is None else req.n,
+        continue_final=bool(req.continue_final_message),
     )
     options = ChatOptions(
         stream=bool(req.stream),
@@ -221,6 +224,11 @@ def _check_unsupported(req: ChatRequest) -> None:
         raise InvalidRequest("modalities: sluice answers with text only", param="modalities")
     if not req.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise InvalidRequest(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+        )
 
 
 def _text(content: Content, param: str) -> list[TextPart]:
