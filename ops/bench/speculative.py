@@ -70,6 +70,20 @@ def job(b: TorchBackend, text: str, i: int, tokens: int) -> Job:
     return Job.of(req, prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text)
 
 
+def from_prompt(clients: list[list[Job]], outputs: list[list[int]], n: int = 4) -> float:
+    """The share of the answers' ``n``-grams of token ids that occur in their own prompts: near
+    1 for a copy of the prompt's text (the code edit, the quote), low for fresh text."""
+    jobs = [j for c in clients for j in c]
+    found = total = 0
+    for j, ids in zip(jobs, outputs, strict=True):
+        p = list(j.prompt_token_ids)
+        seen = {tuple(p[i : i + n]) for i in range(len(p) - n + 1)}
+        grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+        found += sum(g in seen for g in grams)
+        total += len(grams)
+    return round(found / max(total, 1), 3)
+
+
 async def run(b: TorchBackend, clients: list[list[Job]]) -> tuple[float, list[list[int]]]:
     """Decode tokens/s of ``clients``, each sending its jobs one after another, over the span
     from the moment every client has its first token to the last end; and each job's ids."""
@@ -170,6 +184,9 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
                             2,
                         ),
                         "same_output": outputs["on"] == outputs["off"],
+                        # is the answer the copy the workload asks for? (a weak model's greedy
+                        # text may not be: then a code edit's rows measure something else)
+                        "from_prompt": from_prompt(jobs, outputs["on"]),
                         "drafted": drafted,
                         "accepted": accepted,
                         # vLLM's mean acceptance length: tokens per verifying step
