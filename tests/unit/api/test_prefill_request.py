@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from services.api.wire.anthropic_messages import build_job, parse_request
+from services.api.wire.ollama.request import parse_chat as parse_ollama_chat
 from services.api.wire.openai_chat.request import parse_request as parse_chat
 from shared.errors import InvalidRequest
 
@@ -72,3 +73,14 @@ def test_chat_continues_the_final_message_only_when_asked() -> None:
 def test_chat_refuses_to_continue_a_user_message() -> None:
     with pytest.raises(InvalidRequest, match="last message to be the assistant's"):
         parse_chat(chat(ASK, continue_final_message=True), request_id="c")
+
+
+def test_ollama_continues_a_final_assistant_message_as_its_templates_do() -> None:
+    def ollama(*messages: dict[str, Any]) -> bool:
+        return parse_ollama_chat(chat(*messages), request_id="o").job.continue_final
+
+    assert ollama(ASK, {"role": "assistant", "content": "The capital is"})
+    assert not ollama(ASK)
+    assert not ollama(ASK, {"role": "assistant", "content": ""})
+    call = {"function": {"name": "f", "arguments": {}}}
+    assert not ollama(ASK, {"role": "assistant", "content": "", "tool_calls": [call]})

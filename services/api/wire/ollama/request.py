@@ -133,8 +133,15 @@ def parse_chat(body: bytes, *, request_id: str) -> Parsed:
     check_tool_schemas(tools, ToolChoice(), lambda i: f"tools[{i}].function.parameters")
     messages = _messages(req.messages or [])
     job = _job(req, request_id, messages)
+    # Ollama's templates leave a final assistant message open (no end-of-turn, no new turn):
+    # the model writes on inside it, a prefill as Anthropic's
+    last = messages[-1] if messages else Message(role="user")
+    prefill = last.role == "assistant" and not last.tool_calls and bool(last.text.strip())
     job = msgspec.structs.replace(
-        job, tools=tools, tool_choice=ToolChoice(mode="auto" if tools else "none")
+        job,
+        tools=tools,
+        tool_choice=ToolChoice(mode="auto" if tools else "none"),
+        continue_final=prefill,
     )
     return Parsed(
         job=job,
