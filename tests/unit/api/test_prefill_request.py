@@ -67,6 +67,12 @@ def test_chat_continues_the_final_message_only_when_asked() -> None:
     turns = [ASK, {"role": "assistant", "content": "The capital is"}]
     asked = parse_chat(chat(*turns, continue_final_message=True), request_id="c")
     assert asked.job.continue_final and asked.ignored_fields == []
+    # as vLLM's clients send it; the field reaches the template as chat_template_kwargs' would
+    vllm = parse_chat(
+        chat(*turns, continue_final_message=True, add_generation_prompt=False), request_id="c"
+    )
+    assert vllm.job.continue_final and vllm.ignored_fields == []
+    assert vllm.job.chat_template_kwargs == {"add_generation_prompt": False}
     assert not parse_chat(chat(*turns), request_id="c").job.continue_final
 
 

@@ -112,8 +112,10 @@ class ChatRequest(msgspec.Struct, forbid_unknown_fields=False):
     ignore_eos: bool | None = None
     min_tokens: WireInt | None = None
     speculative: bool | None = None  # sluice's extension: false turns speculation off
-    # vLLM's: the answer continues the final assistant message (a prefill) instead of a new turn
+    # vLLM's: the answer continues the final assistant message (a prefill) instead of a new turn;
+    # add_generation_prompt false renders no assistant header after the last message
     continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     modalities: list[str] | None = None  # ["text"] is all sluice answers with
@@ -175,6 +177,8 @@ def parse_request(
     inline = _inline(req.reasoning_format)
     include_reasoning = bool(req.include_reasoning) or include_reasoning_header or inline
     kwargs = dict(req.chat_template_kwargs or {})
+    if req.add_generation_prompt is not None:
+        kwargs.setdefault("add_generation_prompt", req.add_generation_prompt)
     tools, ignored = parse_tools(req.tools)
     tool_choice = parse_tool_choice(req.tool_choice, tools, ignored)
     check_tool_schemas(tools, tool_choice, lambda i: f"tools[{i}].function.parameters")
