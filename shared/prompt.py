@@ -27,6 +27,7 @@ import msgspec
 import tokenizers
 
 from shared.chat_template import TemplateError, render_chat_template, template_mentions
+from shared.grammar import forces_tool_call
 from shared.jobs import GenerateRequest, Message, ToolDef
 from shared.model_card import ModelCard, ReasoningMarkers
 
@@ -372,13 +373,22 @@ def _prefill(job: GenerateRequest) -> str | None:
     ``continue_final_message`` strips it; None when the job starts an answer of its own.
 
     Raises:
-        TemplateError: the last message is not the assistant's.
+        TemplateError: the last message is not the assistant's, or a grammar constrains the
+            whole answer (a structured output, a forced tool call).
     """
     if not job.continue_final:
         return None
     if not job.messages or job.messages[-1].role != "assistant":
         raise TemplateError("only a final assistant message can be continued")
-    return job.messages[-1].text.strip()
+    final = job.messages[-1].text.strip()
+    if final and (job.constraint is not None or forces_tool_call(job)):
+        # the grammar describes a whole answer: after a prefill it would force a second start
+        # ("{" twice), and the answer would not be what the schema promised
+        raise TemplateError(
+            "a final assistant message cannot be continued under a structured output or a "
+            "forced tool call: the schema constrains the whole answer"
+        )
+    return final
 
 
 def _cut_after(text: str, final: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.chat_template import TemplateError
-from shared.jobs import Message, TextPart
+from shared.jobs import Constraint, Message, TextPart, ToolChoice, ToolDef
 from shared.prompt import PromptRenderer
 from tests.unit.shared.test_prompt import (
     FORGE,
@@ -89,3 +89,16 @@ def test_a_prefill_is_not_inside_the_reasoning_a_new_turn_would_open() -> None:
     continued = renderer.render(job(user("Hi"), assistant("Well,"), continue_final=True))
     assert not continued.starts_in_reasoning
     assert continued.text.endswith("<|im_start|>assistant\nWell,")
+
+
+def test_a_prefill_under_a_schema_for_the_whole_answer_is_refused() -> None:
+    renderer = PromptRenderer(card(template("smollm2")))
+    turns = (user("Weather?"), assistant("{"))
+    schema = Constraint(kind="json_schema", json_schema={"type": "object"})
+    with pytest.raises(TemplateError, match="structured output or a forced tool call"):
+        renderer.render(job(*turns, continue_final=True, constraint=schema))
+    forced = {"tools": [ToolDef(name="f")], "tool_choice": ToolChoice(mode="required")}
+    with pytest.raises(TemplateError, match="structured output or a forced tool call"):
+        renderer.render(job(*turns, continue_final=True, **forced))
+    # an empty final turn is no prefill: the schema constrains the fresh answer
+    assert renderer.render(job(user("Weather?"), assistant(""), continue_final=True, **forced))
