@@ -77,6 +77,13 @@ async def test_a_prefill_is_continued_not_answered_afresh(api: str, smollm2: Wor
         fresh = await client.messages.create(**{**common, "messages": PROMPT})  # type: ignore[arg-type]
         async with client.messages.stream(**common) as stream:  # type: ignore[arg-type]
             streamed = await stream.get_final_message()
+        # Anthropic's own rule, and its error body
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await client.messages.create(
+                **{**common, "messages": [*PROMPT, {"role": "assistant", "content": "It is "}]}  # type: ignore[arg-type]
+            )
+    assert refused.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "trailing whitespace" in refused.value.body["error"]["message"]  # type: ignore[index]
     text = message.content[0].text  # type: ignore[union-attr]
     assert text.startswith(" Paris"), text
     assert streamed.content[0].text == text  # type: ignore[union-attr]
