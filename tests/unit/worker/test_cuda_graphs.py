@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.worker.cuda_graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to
-from services.worker.kv_cache import build_batch
+from services.worker.kv_cache import SeqRows, build_batch
 from tests.model_runs import model_cache, rows_for
 from tests.worker_models import random_model
 
@@ -68,3 +68,44 @@ def test_capture_needs_cuda() -> None:
     graphs = DecodeGraphs(model, model_cache(model, blocks=4), max_batch=2, max_blocks=2)
     with pytest.raises(RuntimeError, match="CUDA"):
         graphs.capture()
+
+
+def test_staging_keeps_each_row_equal_to_its_sequence_as_tables_change() -> None:
+    # The host buffers a captured step copies to the device: each row's block table is
+    # rewritten only where it changed, which must never leave a row holding another table's
+    # blocks, whatever the steps do: sequences joining and leaving (rows shift), tables growing,
+    # a draft's blocks given back, a preempted sequence's table rebuilt from other blocks.
+    model = random_model("LlamaForCausalLM", 64, seed=1)
+    cache = model_cache(model, blocks=8)
+    graphs = DecodeGraphs(model, cache, max_batch=16, max_blocks=12)
+    g = torch.Generator().manual_seed(7)
+
+    def rand(hi: int) -> int:
+        return int(torch.randint(0, hi, (1,), generator=g))
+
+    tables = {k: [rand(500) for _ in range(1 + rand(6))] for k in range(10)}
+    for _ in range(300):
+        k = rand(12)
+        match rand(5):
+            case 0:  # a new sequence, or a preempted one's table rebuilt
+                tables[k] = [rand(500) for _ in range(1 + rand(6))]
+            case 1 if k in tables and len(tables[k]) < 12:  # one more block
+                tables[k].append(rand(500))
+            case 2 if k in tables and len(tables[k]) > 1:  # a rejected draft's block back
+                tables[k].pop()
+            case 3:
+                tables.pop(k, None)
+        live = sorted(tables)[: 1 + rand(len(tables))] if tables else []
+        if not live:
+            continue
+        spans = [SeqRows(k, tables[k], 3 * k, 1) for k in live]
+        b = bucket_for(len(spans), graphs.buckets)
+        assert b is not None
+        width = graphs.stage([k + 1 for k in live], spans, b)
+        assert width == max(len(tables[k]) for k in live)
+        host = graphs._tables.numpy()
+        for i, k in enumerate(live):
+            assert host[i, : len(tables[k])].tolist() == tables[k]
+        assert graphs._positions.numpy()[: len(live)].tolist() == [3 * k for k in live]
+        assert graphs._ids.numpy()[: len(live)].tolist() == [k + 1 for k in live]
+        assert (host[len(live) : b, 0] == graphs.pad_block).all()
