@@ -143,10 +143,11 @@ class DecodeGraphs:
 
         A block table is rewritten only where it differs from what its row holds: at 256
         streams of ~1,150-token contexts, writing every table's ~70 Python ints into the buffer
-        took 0.45-0.79 ms of host time a step on this repository's CI machine kind, and
+        took about 0.48 ms of host time a step on this repository's CI machine kind, and
         comparing each with its row's copy (a list comparison in C), rewriting the one in 16
-        that gained a block, 0.12-0.26 ms. A row's entries past its table's length may be
-        stale: attention reads a sequence's blocks only up to its length."""
+        that gained a block, about 0.12 ms (``ops/bench/graph_staging.py``). A row's entries
+        past its table's length may be stale: attention reads a sequence's blocks only up to
+        its length."""
         n = len(spans)
         host_ids, host_pos, host_tab = (
             self._ids.numpy(),
