@@ -373,13 +373,15 @@ def _prefill(job: GenerateRequest) -> str | None:
     ``continue_final_message`` strips it; None when the job starts an answer of its own.
 
     Raises:
-        TemplateError: the last message is not the assistant's, or a grammar constrains the
-            whole answer (a structured output, a forced tool call).
+        TemplateError: the last message is not the assistant's, or holds tool calls, or a
+            grammar constrains the whole answer (a structured output, a forced tool call).
     """
     if not job.continue_final:
         return None
     if not job.messages or job.messages[-1].role != "assistant":
         raise TemplateError("only a final assistant message can be continued")
+    if job.messages[-1].tool_calls:
+        raise TemplateError("a final assistant message with tool calls cannot be continued")
     final = job.messages[-1].text.strip()
     if final and (job.constraint is not None or forces_tool_call(job)):
         # the grammar describes a whole answer: after a prefill it would force a second start

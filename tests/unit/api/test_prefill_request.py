@@ -76,9 +76,13 @@ def test_chat_continues_the_final_message_only_when_asked() -> None:
     assert not parse_chat(chat(*turns), request_id="c").job.continue_final
 
 
-def test_chat_refuses_to_continue_a_user_message() -> None:
+def test_chat_refuses_to_continue_a_user_message_or_a_tool_call() -> None:
     with pytest.raises(InvalidRequest, match="last message to be the assistant's"):
         parse_chat(chat(ASK, continue_final_message=True), request_id="c")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = {"role": "assistant", "content": None, "tool_calls": [call]}
+    with pytest.raises(InvalidRequest, match="no tool_calls"):
+        parse_chat(chat(ASK, called, continue_final_message=True), request_id="c")
 
 
 def test_ollama_continues_a_final_assistant_message_as_its_templates_do() -> None:

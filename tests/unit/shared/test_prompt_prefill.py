@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.chat_template import TemplateError
-from shared.jobs import Constraint, Message, TextPart, ToolChoice, ToolDef
+from shared.jobs import Constraint, Message, TextPart, ToolCall, ToolChoice, ToolDef
 from shared.prompt import PromptRenderer
 from tests.unit.shared.test_prompt import (
     FORGE,
@@ -68,10 +68,13 @@ def test_an_empty_prefill_starts_the_answer_afresh() -> None:
     assert renderer.render(job(user("Hi"), assistant("  \n"), continue_final=True)) == fresh
 
 
-def test_only_an_assistant_message_can_be_continued() -> None:
+def test_only_an_assistant_message_without_tool_calls_can_be_continued() -> None:
     renderer = PromptRenderer(card(template("smollm2")))
     with pytest.raises(TemplateError, match="final assistant message"):
         renderer.render(job(user("Hi"), continue_final=True))
+    called = Message(role="assistant", tool_calls=[ToolCall(id="c1", name="f", arguments="{}")])
+    with pytest.raises(TemplateError, match="with tool calls"):
+        renderer.render(job(user("Hi"), called, continue_final=True))
 
 
 def test_a_prefill_spelling_control_tokens_stays_text() -> None:

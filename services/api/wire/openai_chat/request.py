@@ -228,9 +228,11 @@ def _check_unsupported(req: ChatRequest) -> None:
         raise InvalidRequest("modalities: sluice answers with text only", param="modalities")
     if not req.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
-    if req.continue_final_message and req.messages[-1].role != "assistant":
+    last = req.messages[-1]
+    if req.continue_final_message and (last.role != "assistant" or last.tool_calls):
         raise InvalidRequest(
-            "continue_final_message needs the last message to be the assistant's",
+            "continue_final_message needs the last message to be the assistant's, with text "
+            "and no tool_calls",
             param="continue_final_message",
         )
 
