@@ -27,9 +27,9 @@ import msgspec
 import tokenizers
 
 from shared.chat_template import TemplateError, render_chat_template, template_mentions
-from shared.grammar import forces_tool_call
 from shared.jobs import GenerateRequest, Message, ToolDef
 from shared.model_card import ModelCard, ReasoningMarkers
+from shared.prefill import cut_after, prefill_text
 
 __all__ = [
     "MAX_NESTING",
@@ -241,7 +241,7 @@ class PromptRenderer:
             job, self.card.chat_template, reasoning_when_hidden=self.reasoning_when_hidden
         )
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
-        final = _prefill(job)
+        final = prefill_text(job)
         if final is not None:
             add_generation_prompt = False
             if not final:  # nothing to continue: an answer of its own, after the turns before
@@ -260,7 +260,7 @@ class PromptRenderer:
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
             )
-            return text if final is None else _cut_after(text, str(msgs[-1]["content"]).strip())
+            return text if final is None else cut_after(text, str(msgs[-1]["content"]).strip())
 
         text = render(messages, tools)
         originals: list[str] = []
@@ -366,42 +366,3 @@ def _renderings(value: str) -> list[str]:
         json.dumps(value)[1:-1],
     ]
     return list(dict.fromkeys(forms))
-
-
-def _prefill(job: GenerateRequest) -> str | None:
-    """The text the answer continues (``job.continue_final``), stripped as Hugging Face's
-    ``continue_final_message`` strips it; None when the job starts an answer of its own.
-
-    Raises:
-        TemplateError: the last message is not the assistant's, or holds tool calls, or a
-            grammar constrains the whole answer (a structured output, a forced tool call).
-    """
-    if not job.continue_final:
-        return None
-    if not job.messages or job.messages[-1].role != "assistant":
-        raise TemplateError("only a final assistant message can be continued")
-    if job.messages[-1].tool_calls:
-        raise TemplateError("a final assistant message with tool calls cannot be continued")
-    final = job.messages[-1].text.strip()
-    if final and (job.constraint is not None or forces_tool_call(job)):
-        # the grammar describes a whole answer: after a prefill it would force a second start
-        # ("{" twice), and the answer would not be what the schema promised
-        raise TemplateError(
-            "a final assistant message cannot be continued under a structured output or a "
-            "forced tool call: the schema constrains the whole answer"
-        )
-    return final
-
-
-def _cut_after(text: str, final: str) -> str:
-    """``text`` up to the end of its last occurrence of ``final``: the template's end-of-turn
-    after the final message goes, so the model writes on inside it (the way Hugging Face's and
-    vLLM's ``continue_final_message`` do it; a template may change the message's surrounding
-    whitespace, not its text)."""
-    at = text.rfind(final)
-    if at < 0:
-        raise TemplateError(
-            "the chat template does not render the final assistant message's text as written, "
-            "so it cannot be continued"
-        )
-    return text[: at + len(final)]
