@@ -120,15 +120,19 @@ static void block_scores2(const float *q0, const float *q1, const uint16_t *keys
         for (int64_t d = 0; d < hd; d += 8) {
             const __m256 qa = _mm256_loadu_ps(q0 + d), qb = _mm256_loadu_ps(q1 + d);
             __m256 k = _mm256_loadu_ps(k0 + d);
+            SL_IN_REG(k);
             a0 = _mm256_fmadd_ps(qa, k, a0);
             b0 = _mm256_fmadd_ps(qb, k, b0);
             k = _mm256_loadu_ps(k0 + hd + d);
+            SL_IN_REG(k);
             a1 = _mm256_fmadd_ps(qa, k, a1);
             b1 = _mm256_fmadd_ps(qb, k, b1);
             k = _mm256_loadu_ps(k0 + 2 * hd + d);
+            SL_IN_REG(k);
             a2 = _mm256_fmadd_ps(qa, k, a2);
             b2 = _mm256_fmadd_ps(qb, k, b2);
             k = _mm256_loadu_ps(k0 + 3 * hd + d);
+            SL_IN_REG(k);
             a3 = _mm256_fmadd_ps(qa, k, a3);
             b3 = _mm256_fmadd_ps(qb, k, b3);
         }
@@ -223,7 +227,8 @@ static void block_values2(const float *w0, const float *w1, const uint16_t *vals
         for (int64_t i = 0; i < n; i++, v += hd) {
             const __m256 wa = _mm256_set1_ps(w0[i]), wb = _mm256_set1_ps(w1[i]);
             for (int j = 0; j < 4; j++) {
-                const __m256 x = _mm256_loadu_ps(v + 8 * j);
+                __m256 x = _mm256_loadu_ps(v + 8 * j);
+                SL_IN_REG(x);
                 a[j] = _mm256_fmadd_ps(wa, x, a[j]);
                 b[j] = _mm256_fmadd_ps(wb, x, b[j]);
             }
@@ -267,8 +272,9 @@ static inline __attribute__((always_inline)) void scores_z(const int c, const qu
         for (int j = 0; j < c; j++) A[j] = B[j] = _mm512_setzero_ps();
         const float *k = kf + t * hd;
         for (int64_t d = 0; d < hd; d += 8) {
-            const __m512 k01 = _mm512_loadu_ps(k + 2 * d),
-                         k23 = _mm512_loadu_ps(k + 2 * hd + 2 * d);
+            __m512 k01 = _mm512_loadu_ps(k + 2 * d), k23 = _mm512_loadu_ps(k + 2 * hd + 2 * d);
+            SL_IN_REG(k01);
+            SL_IN_REG(k23);
             for (int j = 0; j < c; j++) {
                 const __m512 qq = _mm512_castpd_ps(
                     _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(qs[j].q + d))));
@@ -329,8 +335,12 @@ values_z(const int c, const query *qs, const float *vf, int64_t n, int64_t hd, i
             for (int u = 0; u < 4; u++) acc[j][u] = _mm512_loadu_ps(qs[j].o + d0 + 16 * u);
         const float *v = vf + d0;
         for (int64_t i = 0; i < n; i++, v += hd) {
-            const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
-            const __m512 x2 = _mm512_loadu_ps(v + 32), x3 = _mm512_loadu_ps(v + 48);
+            __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+            __m512 x2 = _mm512_loadu_ps(v + 32), x3 = _mm512_loadu_ps(v + 48);
+            SL_IN_REG(x0);
+            SL_IN_REG(x1);
+            SL_IN_REG(x2);
+            SL_IN_REG(x3);
             for (int j = 0; j < c; j++) {
                 const __m512 w = _mm512_set1_ps(qs[j].p[at + i]);
                 acc[j][0] = _mm512_fmadd_ps(w, x0, acc[j][0]);

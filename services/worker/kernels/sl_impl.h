@@ -161,6 +161,12 @@ static inline __m256 exp256(__m256 x) {
  * AVX2's 16 vector registers, and spills. */
 #define SL_KEEP(v) __asm__("" : "+x"(v))
 
+/* The same for a vector loaded once and used by several FMAs (a key or a value that every
+ * query of a group multiplies): GCC otherwise folds the load into each FMA as its memory
+ * operand, so c queries load the same bytes c times, and on Zen 4 the loads, not the FMAs,
+ * bound the loop. "v": any of AVX-512's 32 registers. */
+#define SL_IN_REG(v) __asm__("" : "+v"(v))
+
 /* four activation bytes at x in every 32-bit lane: what the interleaved tiles multiply eight
  * weight rows by at once */
 static inline __m256i bcast4(const int8_t *x) {
