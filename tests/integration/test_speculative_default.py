@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import torch
 
+from ops.bench.speculative import prompts
 from services.worker.speculation import Speculator
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
@@ -23,13 +23,9 @@ from tests.job_factory import run
 
 pytestmark = pytest.mark.slow
 
-SOURCE = Path(__file__).resolve().parents[2] / "services" / "worker" / "sequence.py"
-CODE = SOURCE.read_text()[:1500]
-PROMPTS = {
-    "code_edit": "Rewrite this Python file, renaming `tokens` to `token_ids` everywhere. Output "
-    f"the whole file and nothing else.\n\n```python\n{CODE}\n```",
-    "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-}
+# the benchmark's own prompts: its code edit's file is frozen (ops/bench/workloads) so that the
+# model's answer stays a copy of it
+PROMPTS = {k: v for k, v in prompts().items() if k in ("code_edit", "story")}
 POINT = {
     "type": "object",
     "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
