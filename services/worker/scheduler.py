@@ -238,7 +238,11 @@ class Scheduler:
         spans, ids = forward_rows(rows)
         chosen = [s for (s, _), p in zip(rows, spans, strict=True) if p.logits]  # in row order
         sampled = [s for s in chosen if not s.draft]
-        pending = self._begin_masks(chosen)  # filled while the model runs
+        pending: PendingMasks | None = None  # a constrained step's masks, filled as it runs
+        if self.constrainer is not None:
+            pending = self.constrainer.begin(
+                [s.constraint for s in chosen], [s.draft for s in chosen]
+            )
         if self.graphs is not None and len(ids) == len(rows) <= self.graphs.max_rows:
             logits = self.graphs.run(ids, spans)  # a decode step: replayed
             if len(sampled) < len(spans):  # a resumed prompt re-read a token at a time
@@ -261,7 +265,8 @@ class Scheduler:
         # (``PublishPipe``) instead of a round trip per sequence.
         out: Delivery = []
         try:
-            logits = self._masked(logits, pending)  # before any matcher consumes a token
+            if pending is not None and self.constrainer is not None:
+                logits = self.constrainer.apply(logits, pending)  # before a matcher moves on
             if self.speculator is not None and any(s.draft for s, _ in rows):
                 logits, drafted = split_logits(rows, spans, logits)
                 for seq, mine in drafted:
@@ -358,18 +363,6 @@ class Scheduler:
             with self._cond:
                 self._release(seq)
             seq.emit(exc)
-
-    # -- token choice -----------------------------------------------------------------------
-
-    def _begin_masks(self, seqs: list[SequenceState]) -> PendingMasks | None:
-        if self.constrainer is None:
-            return None
-        return self.constrainer.begin([s.constraint for s in seqs], [s.draft for s in seqs])
-
-    def _masked(self, logits: torch.Tensor, pending: PendingMasks | None) -> torch.Tensor:
-        if pending is None or self.constrainer is None:
-            return logits
-        return self.constrainer.apply(logits, pending)
 
     def _advance(
         self,
