@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from ops.bench.speculative import prompts
+from ops.bench.speculative import from_prompt, job, prompts
 from services.worker.speculation import Speculator
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
@@ -81,10 +81,18 @@ async def test_speculation_on_writes_the_tokens_it_writes_off(
     before = stats.accepted_tokens
     alone = [request(f"{workload}-1", PROMPTS[workload], 128)]
     four = [request(f"{workload}-4-{i}", f"({i}) {PROMPTS[workload]}", 64) for i in range(4)]
+    outputs = []
     for requests in (alone, four):
-        assert await tokens(spec, requests) == await tokens(plain, requests)
+        outputs.append(await tokens(spec, requests))
+        assert outputs[-1] == await tokens(plain, requests)
     if workload == "code_edit":
-        assert stats.accepted_tokens - before > 32  # drafts wrote a good part of the copy (60)
+        assert stats.accepted_tokens - before > 32  # drafts wrote a good part of the copy
+        # The benchmark's code edit must stay what it claims to be, a copy (its answer's 4-grams
+        # found in its prompt: 0.8 here); this greedy text is the same on the AVX2 and AVX-512
+        # builds. Below 0.5 the model writes something else (it once repeated one sentence),
+        # and ops/bench/speculative.py's code-edit rows would measure that instead.
+        copied = from_prompt([[job(spec, PROMPTS[workload], 0, 128)]], outputs[0])
+        assert copied > 0.5, f"the code edit's answer is no longer a copy ({copied})"
 
 
 async def test_a_json_answer_is_the_same_with_speculation(
