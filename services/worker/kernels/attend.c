@@ -252,6 +252,29 @@ static void block_values2(const float *w0, const float *w1, const uint16_t *vals
  * keys alone was slower than six. Every query's arithmetic is the same whatever its group. */
 #define GROUP 6
 
+/* fn(c, ...) with c (1..GROUP) a literal, as DISPATCH_TILE does for the GEMM tiles: with the
+ * literal the always_inline kernel keeps its accumulators in registers */
+#define DISPATCH_GROUP(fn, c, ...)                                                                 \
+    switch (c) {                                                                                   \
+    case 6:                                                                                        \
+        fn(6, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 5:                                                                                        \
+        fn(5, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 4:                                                                                        \
+        fn(4, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 3:                                                                                        \
+        fn(3, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        fn(2, __VA_ARGS__);                                                                        \
+        break;                                                                                     \
+    default:                                                                                       \
+        fn(1, __VA_ARGS__);                                                                        \
+    }
+
 /* Keys 0..n-1 (n a multiple of four) as floats, pairs interleaved by eights: the 16 floats at
  * t * hd + 2 d are dims d..d+7 of key t, then of key t + 1 (t even), so one 16-float load holds
  * the eight-float chunks of two keys that block_scores multiplies by the same eight q values. */
@@ -310,25 +333,7 @@ static void block_scores_z(query *qs, int64_t nq, const uint16_t *keys, float *k
         }
         const int64_t m = block_len(pg, b, qs[i].S), n = m / 4 * 4;
         const int c = same_keys(qs, nq, i, pg, b, GROUP);
-        switch (c) {
-        case 6:
-            scores_z(6, qs + i, kf, n, hd, scale, at);
-            break;
-        case 5:
-            scores_z(5, qs + i, kf, n, hd, scale, at);
-            break;
-        case 4:
-            scores_z(4, qs + i, kf, n, hd, scale, at);
-            break;
-        case 3:
-            scores_z(3, qs + i, kf, n, hd, scale, at);
-            break;
-        case 2:
-            scores_z(2, qs + i, kf, n, hd, scale, at);
-            break;
-        default:
-            scores_z(1, qs + i, kf, n, hd, scale, at);
-        }
+        DISPATCH_GROUP(scores_z, c, qs + i, kf, n, hd, scale, at)
         for (int j = 0; j < c; j++, i++)
             for (int64_t t = n; t < m; t++)
                 qs[i].p[at + t] = dot_half(qs[i].q, keys + t * hd, hd) * scale;
@@ -379,25 +384,7 @@ static void block_values_z(query *qs, int64_t nq, const uint16_t *vals, float *v
         }
         const int64_t m = block_len(pg, b, qs[i].S);
         const int c = same_keys(qs, nq, i, pg, b, GROUP);
-        switch (c) {
-        case 6:
-            values_z(6, qs + i, vf, m, hd, at);
-            break;
-        case 5:
-            values_z(5, qs + i, vf, m, hd, at);
-            break;
-        case 4:
-            values_z(4, qs + i, vf, m, hd, at);
-            break;
-        case 3:
-            values_z(3, qs + i, vf, m, hd, at);
-            break;
-        case 2:
-            values_z(2, qs + i, vf, m, hd, at);
-            break;
-        default:
-            values_z(1, qs + i, vf, m, hd, at);
-        }
+        DISPATCH_GROUP(values_z, c, qs + i, vf, m, hd, at)
         for (int j = i; j < i + c && tail < hd; j++)
             for (int64_t t = 0; t < m; t++)
                 axpy_half(qs[j].p[at + t], vals + t * hd + tail, qs[j].o + tail, hd - tail);
