@@ -25,11 +25,12 @@ def prefill_text(job: GenerateRequest) -> str | None:
     """
     if not job.continue_final:
         return None
-    if not job.messages or job.messages[-1].role != "assistant":
+    last = job.messages[-1] if job.messages else None
+    if last is None or last.role != "assistant":
         raise TemplateError("only a final assistant message can be continued")
-    if job.messages[-1].tool_calls:
+    if last.tool_calls:
         raise TemplateError("a final assistant message with tool calls cannot be continued")
-    final = job.messages[-1].text.strip()
+    final = last.text.strip()
     if final and (job.constraint is not None or forces_tool_call(job)):
         # the grammar describes a whole answer: after a prefill it would force a second start
         # ("{" twice), and the answer would not be what the schema promised
