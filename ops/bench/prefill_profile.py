@@ -51,23 +51,26 @@ def build_from(directory: Path) -> Kernels:
 CLOCK = [time.perf_counter]  # --clock thread: this thread's CPU time (1 thread on a busy host)
 
 
-def profile(model: QuantizedLlama, k: Kernels, tokens: int, context: int = 0) -> dict[str, float]:
+def profile(
+    model: QuantizedLlama, k: Kernels, tokens: int, context: int = 0, gap: int = 0
+) -> dict[str, float]:
     """Seconds per stage (summed over layers) of one prefill of ``tokens`` random ids after
     ``context`` cached ones (an agent's next turn), stage by stage through the exported entry
-    points, and ``forward``: the model's own single call."""
+    points, and ``forward``: the model's own single call. ``gap``: blocks of the pool between
+    two of the sequence's, as streams decoding side by side leave them (0: one contiguous run)."""
     cfg = model.config
     ids = torch.randint(0, 1000, (tokens,), generator=torch.Generator().manual_seed(0))
     blocks = -(-(context + tokens) // BLOCK)
     cache = PagedKVCache(
         layers=cfg.num_layers,
-        num_blocks=blocks,
+        num_blocks=blocks * (gap + 1),
         block_size=BLOCK,
         kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         dtype=model.kv_dtype,
         device=CPU,
     )
-    table = [cache.allocate() for _ in range(blocks)]
+    table = [cache.allocate() for _ in range(blocks * (gap + 1))][:: gap + 1]
     if context:  # the cached prefix: real keys and values, computed once, untimed
         prefix = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(1))
         model(prefix, build_batch([SeqRows(0, table, 0, context)], BLOCK, CPU), cache)
@@ -139,6 +142,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline", type=Path, help="kernel sources to compare against")
     p.add_argument(
+        "--gap",
+        type=int,
+        default=0,
+        help="pool blocks between two of the sequence's (3: as four streams decoding together "
+        "leave them); 0: one contiguous run",
+    )
+    p.add_argument(
         "--clock",
         choices=["wall", "thread"],
         default="wall",
@@ -162,11 +172,11 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
     with torch.inference_mode():
         for m in models.values():  # warm-up: page in weights, start the thread pool
-            profile(m, native, args.tokens, args.context)
+            profile(m, native, args.tokens, args.context, args.gap)
         for _ in range(args.repeats):
             for name, m in models.items():
                 for tag, k in builds.items():
-                    runs[name, tag].append(profile(m, k, args.tokens, args.context))
+                    runs[name, tag].append(profile(m, k, args.tokens, args.context, args.gap))
     cfg = next(iter(models.values())).config
     c, i = cfg.hidden_size, cfg.intermediate_size
     qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim

@@ -87,26 +87,31 @@ def from_prompt(clients: list[list[Job]], outputs: list[list[int]], n: int = 4) 
 
 
 async def run(b: TorchBackend, clients: list[list[Job]]) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s of ``clients``, each sending its jobs one after another, over the span
-    from the moment every client has its first token to the last end; and each job's ids."""
+    """Decode tokens/s of ``clients``, each sending its jobs one after another: the tokens that
+    arrived after every client had its first one, over the span from then to the last end; and
+    each job's ids. (Counting every token over that span overstated a run whose prompts were
+    read one after another: the first streams decoded while the last still waited.)"""
 
-    async def one(j: Job) -> tuple[float, float, list[int]]:
-        first, ids = 0.0, list[int]()
+    async def one(j: Job) -> list[tuple[float, int]]:
+        arrivals, ids = list[tuple[float, int]](), list[int]()
         async for batch in b.generate(j, [], 1):
-            for e in batch:
-                ids.extend(getattr(e, "token_ids", ()))
-            if not first and ids:
-                first = time.perf_counter()
-        return first, time.perf_counter(), ids
+            got = [t for e in batch for t in getattr(e, "token_ids", ())]
+            if got:
+                arrivals.append((time.perf_counter(), len(got)))
+                ids.extend(got)
+        outputs[j.request_id] = ids
+        return arrivals
 
-    async def client(jobs: list[Job]) -> list[tuple[float, float, list[int]]]:
-        return [await one(j) for j in jobs]
+    async def client(jobs: list[Job]) -> list[tuple[float, int]]:
+        return [a for j in jobs for a in await one(j)]
 
+    outputs: dict[str, list[int]] = {}
     runs = await asyncio.gather(*(client(c) for c in clients))
     start = max(r[0][0] for r in runs)
-    end = max(r[-1][1] for r in runs)
-    tokens = sum(len(ids) for r in runs for _, _, ids in r) - len(clients)
-    return tokens / (end - start), [ids for r in runs for _, _, ids in r]
+    end = max(r[-1][0] for r in runs)
+    tokens = sum(n for r in runs for t, n in r if t > start)
+    rate = tokens / (end - start) if end > start else 0.0  # (one-token jobs: no decode span)
+    return rate, [outputs[j.request_id] for c in clients for j in c]
 
 
 async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
@@ -136,11 +141,11 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
             for c in args.concurrency:
                 # distinct prompts (a number in front), so C streams do not share one prefix;
                 # with --rounds R each stream sends R of them back to back
-                jobs = [
-                    [job(b, f"({i + 1}.{r}) {text}", i, args.tokens) for r in range(args.rounds)]
-                    for i in range(c)
-                ]
-                await run(b, [[job(b, text, 99, 1)]])  # the prompts' common part, cached alike
+                texts = [[f"({i + 1}.{r}) {text}" for r in range(args.rounds)] for i in range(c)]
+                jobs = [[job(b, t, i, args.tokens) for t in ts] for i, ts in enumerate(texts)]
+                # every prompt read once: each run then finds them cached alike (the first
+                # run would otherwise be the only one to read them)
+                await run(b, [[job(b, t, 99, 1)] for ts in texts for t in ts])
                 rates: dict[str, list[float]] = {"off": [], "on": []}
                 outputs: dict[str, list[list[int]]] = {}
                 probes: list[dict[str, Any]] = []  # each run's load (machine_load.load_probe)
