@@ -21,6 +21,7 @@ from functools import cached_property
 import torch
 
 from services.worker.block_pool import BlockPool
+from services.worker.host_memory import huge_empty
 from services.worker.paged_attention import HAVE_TRITON
 
 __all__ = ["AttentionBatch", "DecodeRows", "PagedKVCache", "SeqRows", "build_batch"]
@@ -140,8 +141,11 @@ class PagedKVCache:
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self.zeroed = zeroed
         shape = (layers, kv_heads, num_blocks, block_size, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        if device.type == "cpu":  # on 2 MB pages: a sequence's blocks may lie anywhere in it
+            self.k, self.v = huge_empty(shape, dtype), huge_empty(shape, dtype)
+        else:
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks, block_size)
         self._touched = [False] * num_blocks
         if zeroed and device.type == "cuda":  # one memset at start beats a launch per block

@@ -33,6 +33,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from services.worker.host_memory import on_huge_pages
 from services.worker.kernels import QK, Activations, Kernels, Layer, Linear, Model, Scratch
 from services.worker.kv_cache import AttentionBatch, PagedKVCache
 from services.worker.models.blocks import (
@@ -131,6 +132,9 @@ class PackedLinear:
             self.layout |= H16
             self.d, m = halves
         self.m = m  # minimums (Q4_1, Q8_M, Q5_M); the other formats have none
+        # every step streams these: on 2 MB pages, a TLB entry covers 512x the bytes
+        self.q, self.d = on_huge_pages(self.q), on_huge_pages(self.d)
+        self.m = None if m is None else on_huge_pages(m)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.view = self.struct()  # one struct for every call (its buffers live as long as self)
 
