@@ -52,7 +52,7 @@ def default_kv_bytes(
     less ``reserve``; on the CPU a share of the machine's memory. The pool is reserved, not
     touched: a CPU worker's resident memory grows only with the blocks it fills, a 2 MB page
     per layer and kv head at a time (``host_memory``: the default model's first block makes
-    360 MB resident, which then hold its next ~16k tokens)."""
+    360 MB resident, and it grows by about that much every 8-16k tokens)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(total * utilization) - (total - free) - reserve)
