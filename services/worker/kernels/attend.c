@@ -252,27 +252,12 @@ static void block_values2(const float *w0, const float *w1, const uint16_t *vals
  * keys alone was slower than six. Every query's arithmetic is the same whatever its group. */
 #define GROUP 6
 
-/* fn(c, ...) with c (1..GROUP) a literal, as DISPATCH_TILE does for the GEMM tiles: with the
- * literal the always_inline kernel keeps its accumulators in registers */
+/* fn(c, ...) with c (1..GROUP) a literal, as DISPATCH_TILE calls the GEMM tiles */
 #define DISPATCH_GROUP(fn, c, ...)                                                                 \
     switch (c) {                                                                                   \
-    case 6:                                                                                        \
-        fn(6, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 5:                                                                                        \
-        fn(5, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 4:                                                                                        \
-        fn(4, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 3:                                                                                        \
-        fn(3, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 2:                                                                                        \
-        fn(2, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    default:                                                                                       \
-        fn(1, __VA_ARGS__);                                                                        \
+        SL_CASE(fn, 6, __VA_ARGS__)                                                                \
+        SL_CASE(fn, 5, __VA_ARGS__)                                                                \
+        SL_CASES_4_TO_1(fn, __VA_ARGS__)                                                           \
     }
 
 /* Keys 0..n-1 (n a multiple of four) as floats, pairs interleaved by eights: the 16 floats at

@@ -275,41 +275,37 @@ static inline void store(float *y, float v, const float *bias, int64_t n, int ac
     *y = v;
 }
 
-/* A tile function called with a literal row count mt (1..MT): always_inline + the literal let
- * the compiler keep the accumulators in registers. The cases above MT are left out, not just
- * never taken: GCC would otherwise inline them and warn about acc[MT] indexed past its end. */
+/* case n: fn(n, ...). The dispatchers call an always_inline kernel with a literal row (or
+ * query) count: with the literal the compiler keeps the kernel's accumulators in registers. */
+#define SL_CASE(fn, n, ...)                                                                        \
+    case n:                                                                                        \
+        fn(n, __VA_ARGS__);                                                                        \
+        break;
+/* the cases every dispatcher ends with: 4, 3, 2, and 1 for anything else */
+#define SL_CASES_4_TO_1(fn, ...)                                                                   \
+    SL_CASE(fn, 4, __VA_ARGS__)                                                                    \
+    SL_CASE(fn, 3, __VA_ARGS__)                                                                    \
+    SL_CASE(fn, 2, __VA_ARGS__)                                                                    \
+    default:                                                                                       \
+        fn(1, __VA_ARGS__);                                                                        \
+        break;
+
+/* A tile function called with a literal row count mt (1..MT). The cases above MT are left out,
+ * not just never taken: GCC would otherwise inline them and warn about acc[MT] indexed past its
+ * end. */
 #if MT > 4
 #define SL_TILE_CASES_5_TO_8(fn, ...)                                                              \
-    case 8:                                                                                        \
-        fn(8, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 7:                                                                                        \
-        fn(7, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 6:                                                                                        \
-        fn(6, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 5:                                                                                        \
-        fn(5, __VA_ARGS__);                                                                        \
-        break;
+    SL_CASE(fn, 8, __VA_ARGS__)                                                                    \
+    SL_CASE(fn, 7, __VA_ARGS__)                                                                    \
+    SL_CASE(fn, 6, __VA_ARGS__)                                                                    \
+    SL_CASE(fn, 5, __VA_ARGS__)
 #else
 #define SL_TILE_CASES_5_TO_8(fn, ...)
 #endif
 #define DISPATCH_TILE(fn, mt, ...)                                                                 \
     switch (mt) {                                                                                  \
         SL_TILE_CASES_5_TO_8(fn, __VA_ARGS__)                                                      \
-    case 4:                                                                                        \
-        fn(4, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 3:                                                                                        \
-        fn(3, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    case 2:                                                                                        \
-        fn(2, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
-    default:                                                                                       \
-        fn(1, __VA_ARGS__);                                                                        \
-        break;                                                                                     \
+        SL_CASES_4_TO_1(fn, __VA_ARGS__)                                                           \
     }
 
 /* static asserts: the ABI's sizes (mirrored by ctypes, checked again at load through sl_sizeof) */
