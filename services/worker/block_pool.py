@@ -12,8 +12,19 @@ them).
 
 A block whose last holder releases it stays cached: it moves to an LRU of free-but-cached
 blocks, from which a later prompt with the same prefix takes it back, and from which allocation
-evicts the oldest only when no plain free block is left. Plain free blocks are handed out lowest
-index first, so memory that was ever touched is reused before fresh pages are.
+evicts the oldest only when no plain free block is left.
+
+Where a block lies matters on a CPU: the kernels stream a sequence's blocks one after another
+for every layer and kv head, and blocks that follow each other in memory let the hardware
+prefetcher run ahead. On a Zen 4 EPYC, four streams whose blocks were taken in turns (lowest
+free index first, as this pool used to hand them out) made a four-row step after 900 tokens
+37 % slower than the same rows on runs of blocks (11.45 against 8.34 ms; on an AVX2 EPYC whose
+one thread reads about 8 GB/s, the same rows took 38.8 and 40.2 ms, no difference beyond
+noise). So a sequence's next block is the one after its last when that is plain free. A block
+that starts a run (a sequence's first, or its next when the following block is taken) goes half
+way along the largest run of plain free blocks, which leaves the sequence before that run room
+to grow, or to the run's start when no running sequence holds the block before it, which keeps
+memory compact as sequences come and go.
 
 With a ``journal`` set, every change to the set of known blocks is appended to it as
 ``(known, hash)``: the worker publishes from it which prefixes it holds, so the queue can send a
@@ -23,8 +34,9 @@ appends and the event loop drains; a deque's appends and pops are thread-safe.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict, deque
+
+import numpy as np
 
 from shared.prefix import chain_hashes, root_hash
 
@@ -45,7 +57,8 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}  # full blocks known by content (held or in the LRU)
-        self._plain = list(range(num_blocks))  # a min-heap of free blocks holding nothing known
+        self._plain = np.ones(num_blocks, dtype=np.bool_)  # free blocks holding nothing known
+        self._plain_count = num_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()  # free but cached, oldest first
         self.evictions = 0  # cached blocks reused for other content
         self.journal: deque[tuple[bool, bytes]] | None = None  # (known?, hash) per change
@@ -53,7 +66,7 @@ class BlockPool:
     @property
     def free(self) -> int:
         """Blocks an allocation can take now (plain free ones and evictable cached ones)."""
-        return len(self._plain) + len(self._lru)
+        return self._plain_count + len(self._lru)
 
     @property
     def cached_free(self) -> int:
@@ -65,14 +78,18 @@ class BlockPool:
         """Blocks held by at least one running sequence."""
         return self.num_blocks - self.free
 
-    def allocate(self) -> int:
-        """A block for new keys and values, held once by the caller.
+    def allocate(self, after: int | None = None) -> int:
+        """A block for new keys and values, held once by the caller: the block following
+        ``after`` (the caller's last block) if it is plain free, else the start of a new run.
 
         Raises:
             NoFreeBlocks: every block is held.
         """
-        if self._plain:
-            block = heapq.heappop(self._plain)
+        if self._plain_count:
+            nxt = -1 if after is None else after + 1
+            block = nxt if 0 <= nxt < self.num_blocks and self._plain[nxt] else self._run_start()
+            self._plain[block] = False
+            self._plain_count -= 1
         elif self._lru:
             block, _ = self._lru.popitem(last=False)
             known = self.hash_of[block]
@@ -86,6 +103,19 @@ class BlockPool:
             raise NoFreeBlocks("every KV block is held by a running sequence")
         self.refs[block] = 1
         return block
+
+    def _run_start(self) -> int:
+        """Where a new run of blocks begins: in the largest run of plain free blocks, at its start
+        when no running sequence holds the block before it, else half way along. A scan of the
+        pool, once per run rather than per block: 20 us over 2,000 blocks, 0.5 ms over 340,000
+        (a GPU's pool)."""
+        edges = np.flatnonzero(np.diff(self._plain, prepend=False, append=False))
+        starts, ends = edges[0::2], edges[1::2]  # each run is [start, end)
+        i = int(np.argmax(ends - starts))
+        start, end = int(starts[i]), int(ends[i])
+        if start == 0 or self.refs[start - 1] == 0:
+            return start
+        return start + (end - start) // 2
 
     def match(self, hashes: list[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes`` (not yet held: ``take`` them)."""
@@ -113,7 +143,8 @@ class BlockPool:
             if self.hash_of[block] is not None:
                 self._lru[block] = None
             else:
-                heapq.heappush(self._plain, block)
+                self._plain[block] = True
+                self._plain_count += 1
 
     def register(self, block: int, h: bytes) -> None:
         """Make a held block that just filled known by its chain hash ``h``. If another block
@@ -128,7 +159,8 @@ class BlockPool:
     def clear_cache(self) -> None:
         """Forget every cached prefix (free cached blocks become plain free blocks)."""
         for block in self._lru:
-            heapq.heappush(self._plain, block)
+            self._plain[block] = True
+        self._plain_count += len(self._lru)
         self._lru.clear()
         if self.journal is not None:
             self.journal.extend((False, h) for h in self.by_hash)

@@ -165,10 +165,10 @@ class PagedKVCache:
         """The pool's capacity in tokens."""
         return self.num_blocks * self.block_size
 
-    def allocate(self) -> int:
-        """A block for a sequence's next tokens (``BlockPool.allocate``), zeroed on first use
-        where the model needs it."""
-        block = self.pool.allocate()
+    def allocate(self, after: int | None = None) -> int:
+        """A block for a sequence's next tokens, after its last block ``after`` where that is free
+        (``BlockPool.allocate``), zeroed on first use where the model needs it."""
+        block = self.pool.allocate(after)
         if self.zeroed and not self._touched[block]:
             self.k[:, :, block].zero_()
             self.v[:, :, block].zero_()

@@ -32,13 +32,42 @@ def test_the_chain_covers_whole_prefixes_and_the_model() -> None:
     assert grown == a
 
 
-def test_lowest_free_block_first_and_exhaustion() -> None:
+def test_a_block_follows_its_sequence_and_runs_start_apart() -> None:
+    pool = BlockPool(16, 4)
+    a = [pool.allocate()]
+    assert a == [0]  # nothing held before the pool's start: a run begins there
+    b = [pool.allocate()]
+    assert b == [8]  # a held block before the largest free run: half way along it
+    for _ in range(3):  # two sequences growing in turns each stay one run
+        a.append(pool.allocate(a[-1]))
+        b.append(pool.allocate(b[-1]))
+    assert a == [0, 1, 2, 3] and b == [8, 9, 10, 11]
+    c = pool.allocate()
+    assert c == 4 + 4 // 2  # the largest run is 4..7 (12..15 is as long, later): its middle
+    pool.release(a)
+    pool.release([c])
+    assert pool.allocate() == 0  # the held block before the run is gone: its start
+
+
+def test_a_taken_successor_starts_a_new_run_and_exhaustion_raises() -> None:
     pool = BlockPool(3, 4)
-    assert [pool.allocate() for _ in range(3)] == [0, 1, 2]
+    first = pool.allocate()
+    assert pool.allocate(first) == 1
+    assert pool.allocate(first) == 2  # its successor is held: the only free block left
     with pytest.raises(NoFreeBlocks):
         pool.allocate()
     pool.release([1])
-    assert pool.free == 1 and pool.allocate() == 1
+    assert pool.free == 1 and pool.allocate(2) == 1  # past the pool's end: a new run
+
+
+def test_a_cached_successor_is_not_evicted_while_plain_blocks_are_free() -> None:
+    pool = BlockPool(4, 4)
+    a, b = pool.allocate(), pool.allocate()
+    assert (a, b, pool.allocate(a)) == (0, 2, 1)
+    pool.register(b, hashes([1, 2, 3, 4])[0])
+    pool.release([b])
+    assert pool.allocate(1) == 3  # 2 holds a known prefix: the free block after it instead
+    assert pool.cached_free == 1
 
 
 def test_shared_blocks_are_freed_by_their_last_holder() -> None:
@@ -65,7 +94,8 @@ def test_lru_evicts_the_oldest_cached_block_and_only_when_nothing_plain_is_free(
     pool.register(b, second[0])
     pool.release([a])
     pool.release([b])  # a is older in the LRU
-    assert pool.allocate() == 2  # a plain block before any eviction
+    (plain,) = {0, 1, 2} - {a, b}
+    assert pool.allocate() == plain  # a plain block before any eviction
     assert pool.allocate() == a and pool.evictions == 1
     assert pool.match(first) == [] and pool.match(second) == [b]
     pool.take(b)  # a hit takes it out of the LRU

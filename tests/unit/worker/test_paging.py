@@ -109,6 +109,21 @@ def test_generated_tokens_become_cacheable_as_their_blocks_fill() -> None:
     assert turn2.cached == 8 and turn2.blocks[0] == s.blocks[0]
 
 
+def test_streams_decoding_together_keep_their_blocks_in_runs() -> None:
+    """Streams take a new block in turns; each still gets the block after its last, so the
+    kernels read a sequence's keys and values front to back (not every fourth block)."""
+    p = planner(128, budget=64)
+    streams = [seq([100 * i + t for t in range(12)], max_new=60) for i in range(4)]
+    p.pending.extend(streams)
+    for _ in range(50):
+        step(p)
+    for s in streams:
+        assert len(s.blocks) == 8  # 12 prompt tokens and 49 generated, in blocks of 8
+        assert s.blocks == list(range(s.blocks[0], s.blocks[0] + 8))
+    # prompts at the pool's start and half way along the largest free runs left
+    assert sorted(s.blocks[0] for s in streams) == [0, 33, 65, 97]
+
+
 def test_prompts_arriving_together_compute_a_shared_prefix_once() -> None:
     p = planner(64, budget=64)
     system = list(range(300, 340))  # 5 blocks
