@@ -49,6 +49,24 @@ def test_a_block_follows_its_sequence_and_runs_start_apart() -> None:
     assert pool.allocate() == 0  # the held block before the run is gone: its start
 
 
+def test_in_a_large_pool_runs_start_a_gap_after_the_last_running_sequence() -> None:
+    """Room to grow behind each running sequence, and no further: the runs stay low in the pool,
+    whose pages are then touched in order."""
+    pool = BlockPool(4096, 16)
+
+    def prompt(blocks: int) -> list[int]:
+        table = [pool.allocate()]
+        while len(table) < blocks:
+            table.append(pool.allocate(table[-1]))
+        return table
+
+    a, b, c = prompt(57), prompt(57), prompt(57)
+    assert a[0] == 0 and b[0] == 57 + BlockPool.GAP and c[0] == b[-1] + 1 + BlockPool.GAP
+    assert all(t == list(range(t[0], t[0] + 57)) for t in (a, b, c))
+    pool.release(a)
+    assert prompt(3) == [0, 1, 2]  # nothing running before the pool's start any more
+
+
 def test_a_taken_successor_starts_a_new_run_and_exhaustion_raises() -> None:
     pool = BlockPool(3, 4)
     first = pool.allocate()
