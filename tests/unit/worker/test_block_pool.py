@@ -37,13 +37,13 @@ def test_a_block_follows_its_sequence_and_runs_start_apart() -> None:
     a = [pool.allocate()]
     assert a == [0]  # nothing held before the pool's start: a run begins there
     b = [pool.allocate()]
-    assert b == [8]  # a held block before the largest free run: half way along it
+    assert b == [8]  # a held block before the free run, too short for GAP: half way along it
     for _ in range(3):  # two sequences growing in turns each stay one run
         a.append(pool.allocate(a[-1]))
         b.append(pool.allocate(b[-1]))
     assert a == [0, 1, 2, 3] and b == [8, 9, 10, 11]
     c = pool.allocate()
-    assert c == 4 + 4 // 2  # the largest run is 4..7 (12..15 is as long, later): its middle
+    assert c == 4 + 4 // 2  # the first run with the most room, 4..7 (12..15 has as much): half way
     pool.release(a)
     pool.release([c])
     assert pool.allocate() == 0  # the held block before the run is gone: its start

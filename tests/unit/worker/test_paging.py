@@ -120,7 +120,8 @@ def test_streams_decoding_together_keep_their_blocks_in_runs() -> None:
     for s in streams:
         assert len(s.blocks) == 8  # 12 prompt tokens and 49 generated, in blocks of 8
         assert s.blocks == list(range(s.blocks[0], s.blocks[0] + 8))
-    # prompts at the pool's start and half way along the largest free runs left
+    # prompts at the pool's start, then (a pool too small for BlockPool.GAP) half way along the
+    # free runs with the most room
     assert sorted(s.blocks[0] for s in streams) == [0, 33, 65, 97]
 
 
