@@ -44,7 +44,7 @@ def rows_for(
 ) -> SeqRows:
     """``SeqRows`` for ``count`` tokens after ``start``, allocating blocks onto ``table``."""
     while len(table) * cache.block_size < start + count:
-        table.append(cache.allocate())
+        cache.extend(table)
     return SeqRows(key, list(table), start, count, logits)
 
 

@@ -63,7 +63,7 @@ def filled(
         layers=c.num_layers, num_blocks=blocks, block_size=BLOCK, kv_heads=c.num_kv_heads,
         head_dim=c.head_dim, dtype=model.kv_dtype, device=CPU,
     )  # fmt: skip
-    table = [cache.allocate() for _ in range(blocks)]
+    table = cache.extend([], blocks)
     ids = torch.randint(0, 1000, (ctx,), generator=torch.Generator().manual_seed(0))
     shared = table[: -(-(ctx + 1) // BLOCK)]
     logits = model(ids, build_batch([SeqRows(0, shared, 0, ctx)], BLOCK, CPU), cache)

@@ -226,7 +226,7 @@ def prefill_fraction(
         dtype=model.embed_tokens.weight.dtype,
         device=device,
     )
-    table = [cache.allocate() for _ in range(-(-prompt // 16))]
+    table = cache.extend([], -(-prompt // 16))
     batch = build_batch([SeqRows(0, table, 0, prompt, 1)], 16, device)
     ids = torch.randint(0, c.vocab_size, (prompt,), device=device)
     with torch.inference_mode():

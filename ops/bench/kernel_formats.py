@@ -57,9 +57,7 @@ def _cache(
         dtype=model.kv_dtype if isinstance(model, QuantizedLlama) else torch.float32,
         device=CPU,
     )
-    rows = [
-        SeqRows(i, [cache.allocate() for _ in range(per_seq)], start, count) for i in range(seqs)
-    ]
+    rows = [SeqRows(i, cache.extend([], per_seq), start, count) for i in range(seqs)]
     return cache, build_batch(rows, BLOCK, CPU)
 
 

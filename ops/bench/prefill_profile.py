@@ -70,7 +70,7 @@ def profile(
         dtype=model.kv_dtype,
         device=CPU,
     )
-    table = [cache.allocate() for _ in range(blocks * (gap + 1))][:: gap + 1]
+    table = cache.extend([], blocks * (gap + 1))[:: gap + 1]
     if context:  # the cached prefix: real keys and values, computed once, untimed
         prefix = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(1))
         model(prefix, build_batch([SeqRows(0, table, 0, context)], BLOCK, CPU), cache)

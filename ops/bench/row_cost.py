@@ -39,7 +39,7 @@ def main() -> None:
     b = TorchBackend.load(Settings(threads=args.threads, max_batch=8), "smollm2", None)
     cache, model, cpu = b.scheduler.cache, b.scheduler.model, torch.device("cpu")
     size = cache.block_size
-    tables = [[cache.allocate() for _ in range((args.context + 8) // size + 1)] for _ in range(8)]
+    tables = [cache.extend([], (args.context + 8) // size + 1) for _ in range(8)]
     measured: list[tuple[int, int, float]] = []  # (sequences, rows, median seconds)
     by_shape: dict[str, float] = {}
     with torch.inference_mode():

@@ -165,6 +165,14 @@ class PagedKVCache:
         """The pool's capacity in tokens."""
         return self.num_blocks * self.block_size
 
+    def extend(self, table: list[int], count: int = 1) -> list[int]:
+        """Append ``count`` blocks to a sequence's block table (and return it), each the block
+        after the table's last where that is free (``BlockPool.allocate``): a table built this
+        way is one run, where a list of ``allocate()`` calls would start a run per block."""
+        for _ in range(count):
+            table.append(self.allocate(table[-1] if table else None))
+        return table
+
     def allocate(self, after: int | None = None) -> int:
         """A block for a sequence's next tokens, after its last block ``after`` where that is free
         (``BlockPool.allocate``), zeroed on first use where the model needs it."""

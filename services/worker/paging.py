@@ -198,7 +198,7 @@ class Planner:
         sequences while the pool is dry; False when ``seq`` was the one preempted."""
         while len(seq.blocks) * self.size < length:
             try:
-                seq.blocks.append(self.cache.allocate(seq.blocks[-1] if seq.blocks else None))
+                self.cache.extend(seq.blocks)
             except NoFreeBlocks:
                 victim = self.active[-1]
                 self.preempt(victim)

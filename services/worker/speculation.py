@@ -167,7 +167,7 @@ class Speculator:
         while len(seq.blocks) * size < want:
             if pool.free - pool.cached_free < 1:
                 return max(0, len(seq.blocks) * size - seq.kv_len - 1)
-            seq.blocks.append(planner.cache.allocate(seq.blocks[-1] if seq.blocks else None))
+            planner.cache.extend(seq.blocks)
         return drafted
 
     def verified(self, seq: SequenceState, accepted: int, planner: Planner) -> None:

@@ -125,6 +125,17 @@ def test_streams_decoding_together_keep_their_blocks_in_runs() -> None:
     assert sorted(s.blocks[0] for s in streams) == [0, 33, 65, 97]
 
 
+def test_a_table_extended_block_by_block_is_one_run() -> None:
+    cache = planner(64).cache
+    a = cache.extend([], 3)
+    b = cache.extend([], 3)
+    for _ in range(2):  # growing in turns
+        cache.extend(a)
+        cache.extend(b)
+    assert a == list(range(a[0], a[0] + 5)) and b == list(range(b[0], b[0] + 5))
+    assert not set(a) & set(b)
+
+
 def test_prompts_arriving_together_compute_a_shared_prefix_once() -> None:
     p = planner(64, budget=64)
     system = list(range(300, 340))  # 5 blocks
