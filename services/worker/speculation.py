@@ -118,25 +118,26 @@ class Speculator:
         }
         for seq, n in rows:
             seq.draft = []
-            eligible = n == 1 and self._eligible(seq) and self._due(seq)
-            if eligible and not self.pacer.hopeless(_record(seq), **step):
-                assert seq.drafter is not None
-                room = min(
-                    self.k,
-                    seq.max_new - seq.generated - 1,  # the bonus token must still be allowed
-                    context_length - len(seq.tokens) - 1,
-                )
-                draft = seq.drafter.propose(seq.tokens, room) if room > 0 else []
-                if seq.constraint is not None:
-                    draft = draft[: seq.constraint.admits(draft)]
-                if draft:
-                    offers.append((seq, draft))
+            if n != 1 or not self._eligible(seq):
+                continue
+            record = self._start(seq)
+            self.pacer.settle(record, seq.tokens)
+            wanted = self.pacer.due(record) and not self.pacer.hopeless(record, **step)
+            if not wanted and not self.pacer.probing(record):
+                continue
+            draft = self._draft(seq, context_length)
+            if wanted and draft:
+                offers.append((seq, draft))
+            elif draft:  # not verified: checked against what the sequence chooses instead
+                self.pacer.shadow(record, _matched(seq), draft, len(seq.tokens))
         keep = self.pacer.allot([(_record(s), _matched(s), len(d)) for s, d in offers], **step)
         budget = planner.max_batched_tokens - sum(n for _, n in rows)
         for (seq, draft), d in zip(offers, keep, strict=True):
-            draft = draft[: min(d, budget)]
-            seq.draft = draft[: self._fit(planner, seq, len(draft))]
+            seq.draft = draft[: min(d, budget)]
+            seq.draft = seq.draft[: self._fit(planner, seq, len(seq.draft))]
             budget -= len(seq.draft)
+            if not seq.draft:
+                self.pacer.shadow(_record(seq), _matched(seq), draft, len(seq.tokens))
         decoding = step["rows"] == step["tokens"] == len(rows)  # no prompt rows in it
         self._step = (len(rows), sum(len(s.draft) for s, _ in rows)) if decoding else None
         return [(s, n + len(s.draft)) for s, n in rows]
@@ -151,12 +152,28 @@ class Speculator:
     def _eligible(seq: SequenceState) -> bool:
         return seq.decoder is not None and seq.to_compute == 1 and seq.job.speculative
 
-    def _due(self, seq: SequenceState) -> bool:
+    def _start(self, seq: SequenceState) -> DraftRecord:
+        """The sequence's drafting record, made with its n-gram index on its first chance to
+        draft."""
         if seq.drafter is None:
             seq.drafter = NgramIndex(self.max_n, self.min_n)
         if seq.pace is None:
             seq.pace = DraftRecord()
-        return self.pacer.due(seq.pace)
+        return seq.pace
+
+    def _draft(self, seq: SequenceState, context_length: int) -> list[int]:
+        """The sequence's draft: up to ``k`` tokens, within ``max_new`` and the context, cut to
+        what its grammar allows."""
+        assert seq.drafter is not None
+        room = min(
+            self.k,
+            seq.max_new - seq.generated - 1,  # the bonus token must still be allowed
+            context_length - len(seq.tokens) - 1,
+        )
+        draft = seq.drafter.propose(seq.tokens, room) if room > 0 else []
+        if seq.constraint is not None:
+            draft = draft[: seq.constraint.admits(draft)]
+        return draft
 
     @staticmethod
     def _fit(planner: Planner, seq: SequenceState, drafted: int) -> int:

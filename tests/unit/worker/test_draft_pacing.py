@@ -1,6 +1,7 @@
 """``DraftPacer`` alone: how many tokens of each offered draft a step verifies, and what it
 learns from verified drafts (per sequence and, shared, per match length), with rests after
-wholly rejected drafts; ``StepCost``: what a draft row costs, as measured."""
+wholly rejected drafts, and from drafts it did not verify, checked against the tokens then
+chosen; ``StepCost``: what a draft row costs, as measured."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def test_a_row_is_kept_while_its_chance_beats_the_steps_tokens_per_cost() -> Non
     assert decode_step(pacer, [(DraftRecord(), 4, 4)]) == [3]
     assert decode_step(pacer, [(DraftRecord(), 2, 4)]) == [1]  # prior 0.4
     assert decode_step(pacer, [(DraftRecord(), 1, 4)]) == [0]  # prior 0.2: never worth a row
-    assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(4)]) == [1] * 4
+    # beside other streams a fresh match (0.8) is not enough: it needs better odds, which its
+    # drafts checked against what it chooses (``settle``) teach it for no row
+    assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(4)]) == [0] * 4
     assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(16)]) == [0] * 16
     copying = DraftRecord(estimates={4: 0.95})
     assert decode_step(pacer, [(copying, 4, 4)]) == [4]
@@ -95,7 +98,8 @@ def test_a_sequence_that_cannot_draft_a_row_worth_it_is_not_searched() -> None:
     for n in (1, 4, 16):
         offers = [(fresh, m, 4) for m in range(1, 5)]
         none_kept = not any(pacer.allot(offers, rows=n, tokens=n))
-        assert pacer.hopeless(fresh, rows=n, tokens=n) == none_kept == (n == 16)
+        # beside other streams a fresh match (at most 0.8) is not enough
+        assert pacer.hopeless(fresh, rows=n, tokens=n) == none_kept == (n > 1)
         # even a copying sequence: a row at 0.95 would not beat 1.15 x 16 / 18.5
         assert pacer.hopeless(copying, rows=n, tokens=n) == (n == 16)
     for _ in range(40):
@@ -148,7 +152,8 @@ def test_beside_other_streams_a_row_needs_better_than_even_odds_however_cheap() 
     weak = DraftRecord(estimates=dict.fromkeys(range(1, 5), 0.45))
     assert decode_step(pacer, [(weak, 4, 4)] * 4) == [0] * 4
     assert pacer.hopeless(weak, rows=4, tokens=4)
-    assert decode_step(pacer, [(DraftRecord(estimates={4: 0.75}), 4, 4)] * 4) == [2] * 4
+    # a copying sequence's: rows while the chance is above 0.8 (0.9, 0.81, not 0.729)
+    assert decode_step(pacer, [(DraftRecord(estimates={4: 0.9}), 4, 4)] * 4) == [2] * 4
     assert decode_step(pacer, [(weak, 4, 4)]) == [3]  # alone (no batch to spread): cost decides
 
 
@@ -171,3 +176,48 @@ def test_a_row_cost_not_measured_for_a_hundred_plain_steps_is_forgotten() -> Non
             plain += 1
         waits.append(plain)
     assert waits == [201, 401, 801, 1601]
+
+
+def test_a_row_count_never_drafted_takes_the_nearest_measured_row_cost() -> None:
+    cost = StepCost()
+    for _ in range(3):
+        cost.observe(0.0200, rows=4, drafted=0)
+        cost.observe(0.0225, rows=4, drafted=1)  # a draft row: 2.5 ms beside four rows
+        cost.observe(0.0160, rows=3, drafted=0)  # three rows, never drafted beside
+        cost.observe(0.0050, rows=1, drafted=0)
+        cost.observe(0.0060, rows=1, drafted=2)  # 0.5 ms beside one row
+    assert cost.units(4) == pytest.approx(8.0)
+    assert cost.units(3) == pytest.approx(0.016 / 0.0025)  # not the prior's 5.5
+    cost.observe(0.0110, rows=2, drafted=0)  # nearer one row's measured cost than four's
+    assert cost.units(2) == pytest.approx(0.011 / 0.0005)
+    for _ in range(3):
+        cost.observe(0.0300, rows=6, drafted=0)
+        cost.observe(0.0340, rows=6, drafted=1)  # 4 ms beside six rows
+    cost.observe(0.0250, rows=5, drafted=0)  # as near to four as to six: the larger's
+    assert cost.units(5) == pytest.approx(0.025 / 0.004)
+    assert cost.units(7) == StepCost.BASE + 7  # no plain step of seven rows either: the prior
+
+
+def test_an_unverified_draft_is_checked_against_the_tokens_then_chosen() -> None:
+    pacer = DraftPacer(4)
+    record = DraftRecord(estimates={4: 0.3})
+    pacer.shadow(record, 4, [5, 6, 7, 8], at=3)
+    pacer.shadow(record, 2, [9], at=3)  # one outstanding at a time: the first is kept
+    tokens = [1, 2, 3, 5, 6]
+    pacer.settle(record, tokens)  # two tokens chosen so far, both the draft's: undecided
+    assert record.shadow is not None and record.estimates[4] == 0.3
+    pacer.settle(record, [*tokens, 7, 8])  # all four matched: four accepted tokens
+    assert record.shadow is None and record.estimates[4] == pytest.approx(1 - 0.7 * 0.7**4)
+    assert record.rest == 0 and record.misses == 0
+    pacer.shadow(record, 4, [5, 6], at=3)
+    pacer.settle(record, [1, 2, 3, 9])  # rejected at once: learned, but no rest (no row paid)
+    assert record.estimates[4] < 0.8 and record.rest == 0 and record.misses == 0
+
+
+def test_a_sequence_that_does_not_draft_looks_for_one_every_few_steps() -> None:
+    pacer = DraftPacer(4)
+    record = DraftRecord()
+    looks = [pacer.probing(record) for _ in range(3 * DraftPacer.PROBE)]
+    assert looks == ([True] + [False] * (DraftPacer.PROBE - 1)) * 3
+    pacer.shadow(record, 4, [5], at=0)
+    assert not any(pacer.probing(record) for _ in range(2 * DraftPacer.PROBE))  # one pending

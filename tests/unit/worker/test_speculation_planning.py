@@ -178,3 +178,25 @@ def test_the_step_cost_learns_from_decode_steps_alone() -> None:
     assert any(n > 1 and not x.draft for x, n in rows)
     spec.observe(0.050)
     assert list(spec.pacer.cost.plain[1]) == [0.005] and 2 not in spec.pacer.cost.plain
+
+
+def test_a_sequence_given_up_on_drafts_again_once_it_copies() -> None:
+    """A sequence whose drafts failed (estimates far below the step's bar) drafts no row, but
+    still looks for a draft every few steps and checks it against the tokens it then chooses:
+    once it copies, its estimate climbs back and it drafts again."""
+    p, s = decoding(REPEAT, acceptance=0.1)
+    spec = Speculator(4)
+    widths = []
+    for _step in range(8):
+        [(_seq, n)] = spec.propose(p.plan(), p, context_length=1024)
+        widths.append(n - 1)
+        drafted = s.draft
+        for _token in range(len(drafted) + 1):  # the model copies REPEAT's cycle: all accepted
+            p.commit(s, 1)
+            s.tokens.append(s.tokens[-7])
+            s.generated += 1
+        if drafted:
+            spec.verified(s, len(drafted), p)
+    # looked at step 0 ([2, 3, 4, 5]), checked once those four were chosen: 0.1 -> 0.78
+    assert widths[:4] == [0] * 4 and all(w > 0 for w in widths[4:])
+    assert spec.stats.draft_tokens == spec.stats.accepted_tokens > 0
