@@ -129,8 +129,9 @@ class DraftPacer:
     # torch's fp32 model (a row a thirtieth of a step) a four-stream story drafting at 30 %
     # ran 0.87-0.91x. On an AVX2 EPYC (Zen 3), with drafts checked even where not verified
     # (``settle``), a four-stream story drafting at 73 % ran 0.91-0.92x with a bar of one
-    # half and 0.97x with this one, while the code edit, copying at 85-100 %, kept its 1.2x.
-    # A lone stream has no batch to spread.
+    # half and 0.97x with this one, while the code edit, copying at 85-100 %, kept its 1.2x
+    # (the speculative bench then still measured the story at 0.90-0.93x: its drafts that
+    # clear this bar, 83 % accepted, lose too). A lone stream has no batch to spread.
     MIN_CHANCE = 0.8
     # The chance before anything is known, by match length n: 0.2 n up to 0.8 (measured on
     # the default model: 1-gram drafts 0-19 % accepted, 2-grams 0-50 %, 4-grams 91-100 %). A
@@ -146,7 +147,9 @@ class DraftPacer:
     MAX_REST = 31  # steps a sequence rests, at most, after wholly rejected drafts
     # A sequence that does not draft (resting, or no draft worth a row) still looks for one
     # every this many steps, to check it against the tokens it then chooses: what keeps its
-    # estimates true when it starts to copy (``settle``).
+    # estimates true when it starts to copy (``settle``). Looking costs ~20 us, which is what
+    # ``hopeless`` saves a large batch: there a sequence looks every rows / 4 steps, so a step
+    # spends at most ~80 us on it however many rows it has.
     PROBE = 4
 
     def __init__(self, max_n: int) -> None:
@@ -218,15 +221,16 @@ class DraftPacer:
         moves ``DRIFT`` of the way back to the prior, so a length given up on is tried again."""
         self.shared[n] += self.DRIFT * (self.prior[n] - self.shared[n])
 
-    def probing(self, record: DraftRecord) -> bool:
-        """Whether a sequence that does not draft this step looks for a draft to check later
-        (``shadow``): every ``PROBE`` steps, while no looked-at draft is outstanding."""
+    def probing(self, record: DraftRecord, *, rows: int) -> bool:
+        """Whether a sequence that does not draft this step, of ``rows`` rows, looks for a
+        draft to check later (``shadow``): every ``PROBE`` steps (every ``rows / PROBE`` in a
+        larger step), while no looked-at draft is outstanding."""
         if record.shadow is not None:
             return False
         record.probe -= 1
         if record.probe > 0:
             return False
-        record.probe = self.PROBE
+        record.probe = max(self.PROBE, rows // self.PROBE)
         return True
 
     def shadow(self, record: DraftRecord, n: int, draft: list[int], at: int) -> None:

@@ -217,7 +217,10 @@ def test_an_unverified_draft_is_checked_against_the_tokens_then_chosen() -> None
 def test_a_sequence_that_does_not_draft_looks_for_one_every_few_steps() -> None:
     pacer = DraftPacer(4)
     record = DraftRecord()
-    looks = [pacer.probing(record) for _ in range(3 * DraftPacer.PROBE)]
+    looks = [pacer.probing(record, rows=4) for _ in range(3 * DraftPacer.PROBE)]
     assert looks == ([True] + [False] * (DraftPacer.PROBE - 1)) * 3
+    # in a step of 256 rows every 64th step: a step looks for about four drafts in all
+    looks = [pacer.probing(record, rows=256) for _ in range(128)]
+    assert looks == ([True] + [False] * 63) * 2
     pacer.shadow(record, 4, [5], at=0)
-    assert not any(pacer.probing(record) for _ in range(2 * DraftPacer.PROBE))  # one pending
+    assert not any(pacer.probing(record, rows=1) for _ in range(2 * DraftPacer.PROBE))
