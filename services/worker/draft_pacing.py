@@ -135,7 +135,8 @@ class DraftPacer:
     MIN_CHANCE = 0.8
     # The chance before anything is known, by match length n: 0.2 n up to 0.8 (measured on
     # the default model: 1-gram drafts 0-19 % accepted, 2-grams 0-50 %, 4-grams 91-100 %). A
-    # fresh 4-gram match is worth a draft in a batch of four, a fresh 1-gram match nowhere.
+    # fresh 4-gram match is worth a draft alone, not beside other streams (``MIN_CHANCE``); a
+    # fresh 1-gram match nowhere.
     PRIOR_STEP, PRIOR_MAX = 0.2, 0.8
     RATE = 0.3  # weight of a verified token in its sequence's estimate
     SHARED_RATE = 0.05  # ... and in its match length's estimate, shared by every sequence

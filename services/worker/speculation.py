@@ -133,8 +133,8 @@ class Speculator:
         keep = self.pacer.allot([(_record(s), _matched(s), len(d)) for s, d in offers], **step)
         budget = planner.max_batched_tokens - sum(n for _, n in rows)
         for (seq, draft), d in zip(offers, keep, strict=True):
-            seq.draft = draft[: min(d, budget)]
-            seq.draft = seq.draft[: self._fit(planner, seq, len(seq.draft))]
+            kept = draft[: min(d, budget)]
+            seq.draft = kept[: self._fit(planner, seq, len(kept))]
             budget -= len(seq.draft)
             if not seq.draft:
                 self.pacer.shadow(_record(seq), _matched(seq), draft, len(seq.tokens))

@@ -143,7 +143,7 @@ def test_a_dear_measured_row_refuses_drafts_the_prior_would_verify() -> None:
     assert decode_step(pacer, story[:1]) == [4]
 
 
-def test_beside_other_streams_a_row_needs_better_than_even_odds_however_cheap() -> None:
+def test_beside_other_streams_a_row_needs_a_copying_chance_however_cheap() -> None:
     pacer = DraftPacer(4)
     for rows in (1, 4):  # rows cost a thirtieth of a step (torch's fp32 model)
         for _ in range(3):
