@@ -162,7 +162,7 @@ q4x8_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, c
  * 0..mt-1 of x, the generic loops: out[t][r] = row t's product with weight row r. */
 static void q4x8_generic(const int five, const int half, int mt, int64_t nb, int64_t K,
                          const uint8_t *wg, const void *dg, const void *mg, const int8_t *xq,
-                         const float *xd, const float *xs, float (*out)[8]) {
+                         const float *xd, const float *xs, float (*out)[16]) {
     for (int t = 0; t < mt; t++) {
         for (int r = 0; r < 8; r++) {
             float sum = 0.0f;
@@ -193,24 +193,88 @@ static void q4x8_generic(const int five, const int half, int mt, int64_t nb, int
 }
 #endif
 
+#if SL_AVX512_VNNI
+/* Two groups (rows 8g..8g+15) against rows 0..mt-1 of x on 512-bit vectors: group g's vectors in
+ * the low half, g + 1's in the high half, so one broadcast of four activation bytes and one
+ * vpdpbusd serve sixteen weight rows, half the row-dependent instructions of two 8-row tiles.
+ * Where few rows make the GEMM compute-bound (a decode step of a few streams, a speculative
+ * draft's rows), that is the step's cost. Each lane does the 8-row tile's arithmetic in its
+ * order, so the output bits are the same. */
 static inline __attribute__((always_inline)) void
-gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-        const float *xs, const uint8_t *wq, const void *wd, const void *wm, const int half,
-        const float *bias, float *y, int accumulate) {
-    if (gemm_on_amx(five ? AMX_Q5 : AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
-                    accumulate))
-        return;
+q4x16_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, const uint8_t *wg,
+           const uint8_t *wh, const void *dg, const void *dh, const void *mg, const void *mh,
+           const int8_t *xq, const float *xd, const float *xs, __m512 *acc) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int block = five ? Q5X8_BLOCK : Q4X8_BLOCK;
+    for (int t = 0; t < mt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = wg + b * block, *hb = wh + b * block;
+        const __m512 d = join_ps(load_scales8(dg, b * 8, half), load_scales8(dh, b * 8, half));
+        const __m512 m = mg ? join_ps(load_scales8(mg, b * 8, half), load_scales8(mh, b * 8, half))
+                            : _mm512_mul_ps(d, _mm512_set1_ps(five ? -16.0f : -8.0f));
+        __m512i lo[4], hi[4]; /* unpacked once for the mt rows */
+        for (int j = 0; j < 4; j++) {
+            const __m512i raw = join256(_mm256_loadu_si256((const __m256i *)(wb + 32 * j)),
+                                        _mm256_loadu_si256((const __m256i *)(hb + 32 * j)));
+            lo[j] = _mm512_and_si512(raw, low);
+            hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            if (five) {
+                lo[j] = _mm512_or_si512(lo[j], join256(fifth_bits(wb + Q4X8_BLOCK + 4 * j),
+                                                       fifth_bits(hb + Q4X8_BLOCK + 4 * j)));
+                hi[j] = _mm512_or_si512(hi[j], join256(fifth_bits(wb + Q4X8_BLOCK + 16 + 4 * j),
+                                                       fifth_bits(hb + Q4X8_BLOCK + 16 + 4 * j)));
+            }
+        }
+        for (int t = 0; t < mt; t++) {
+            const int8_t *x = xq + t * K + b * QK;
+            __m512i s32 = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                int32_t x4, x16;
+                memcpy(&x4, x + 4 * j, 4);
+                memcpy(&x16, x + 16 + 4 * j, 4);
+                s32 = _mm512_dpbusd_epi32(s32, lo[j], _mm512_set1_epi32(x4));
+                s32 = _mm512_dpbusd_epi32(s32, hi[j], _mm512_set1_epi32(x16));
+            }
+            const __m512 dots = _mm512_cvtepi32_ps(s32);
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b]));
+            acc[t] = _mm512_fmadd_ps(scale, dots, acc[t]);
+            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc[t]);
+        }
+    }
+}
+#endif
+
+/* Rows 8g..8g + 8 cols - 1 of y (cols: 8, or 16 for two groups on 512-bit vectors) for every
+ * activation row, MT rows per weight pass. */
+static inline __attribute__((always_inline)) void
+q4_groups(const int five, const int cols, int64_t g, int64_t M, int64_t N, int64_t K,
+          const int8_t *xq, const float *xd, const float *xs, const uint8_t *wq, const void *wd,
+          const void *wm, const int half, const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < N / 8; g++) {
-        const uint8_t *wg = wq + g * nb * (five ? Q5X8_BLOCK : Q4X8_BLOCK);
-        const void *dg = scales_at(wd, g * nb * 8, half);
-        const void *mg = wm ? scales_at(wm, g * nb * 8, half) : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            float out[MT][8];
-            const int8_t *x = xq + m0 * K;
-            const float *d = xd + m0 * nb, *s = xs + m0 * nb;
+    const int64_t stride = nb * (five ? Q5X8_BLOCK : Q4X8_BLOCK); /* bytes per group */
+    const uint8_t *wg = wq + g * stride;
+    const void *dg = scales_at(wd, g * nb * 8, half);
+    const void *mg = wm ? scales_at(wm, g * nb * 8, half) : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+        float out[MT][16];
+        const int8_t *x = xq + m0 * K;
+        const float *d = xd + m0 * nb, *s = xs + m0 * nb;
+#if SL_AVX512_VNNI
+        if (cols == 16) {
+            const void *dh = scales_at(dg, nb * 8, half);
+            const void *mh = mg ? scales_at(mg, nb * 8, half) : NULL;
+            __m512 acc[MT];
+            if (five)
+                DISPATCH_TILE(q4x16_tile, mt, 1, half, nb, K, wg, wg + stride, dg, dh, mg, mh, x, d,
+                              s, acc)
+            else
+                DISPATCH_TILE(q4x16_tile, mt, 0, half, nb, K, wg, wg + stride, dg, dh, mg, mh, x, d,
+                              s, acc)
+            for (int t = 0; t < mt; t++) _mm512_storeu_ps(out[t], acc[t]);
+        } else
+#endif
+        {
 #if SL_AVX2
             __m256 acc[MT];
             if (five)
@@ -221,11 +285,37 @@ gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const
 #else
             q4x8_generic(five, half, mt, nb, K, wg, dg, mg, x, d, s, out);
 #endif
-            for (int t = 0; t < mt; t++)
-                for (int r = 0; r < 8; r++)
-                    store(y + (m0 + t) * N + g * 8 + r, out[t][r], bias, g * 8 + r, accumulate);
         }
+        for (int t = 0; t < mt; t++)
+            for (int r = 0; r < cols; r++)
+                store(y + (m0 + t) * N + g * 8 + r, out[t][r], bias, g * 8 + r, accumulate);
     }
+}
+
+static inline __attribute__((always_inline)) void
+gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+        const float *xs, const uint8_t *wq, const void *wd, const void *wm, const int half,
+        const float *bias, float *y, int accumulate) {
+    if (gemm_on_amx(five ? AMX_Q5 : AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
+                    accumulate))
+        return;
+    const int64_t groups = N / 8;
+#if SL_AVX512_VNNI
+    /* One row reads each weight once either way, and memory bounds it: the 8-row tile, which
+     * measured faster there. From two rows the 16-row tile (same bits either way). */
+    if (M > 1) {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < (groups + 1) / 2; u++) { /* pairs of groups; an odd one alone */
+            const int cols = 2 * u + 1 < groups ? 16 : 8;
+            q4_groups(five, cols, 2 * u, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
+                      accumulate);
+        }
+        return;
+    }
+#endif
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        q4_groups(five, 8, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
 }
 
 void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,

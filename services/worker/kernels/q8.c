@@ -232,25 +232,95 @@ q8x8_tile(const int mt, const int sub16, const int half, int64_t nb, int64_t K, 
 #endif
 #endif
 
-void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
-                    const float *xs, const int8_t *wq, const void *wd, const void *wm, int sub16,
-                    int half, const float *bias, float *y, int accumulate) {
+#if SL_AVX512_VNNI
+/* Two groups (rows 8g..8g+15) on 512-bit vectors, g's in the low half and g + 1's in the high
+ * half, as the 4-bit GEMM's 16-row tile (matmul.c): one broadcast and one vpdpbusd serve
+ * sixteen weight rows. Each lane does the 8-row tile's arithmetic in its order: the same bits. */
+static inline __attribute__((always_inline)) void
+q8x16_tile(const int mt, const int sub16, const int half, int64_t nb, int64_t K, const int8_t *wg,
+           const int8_t *wh, const void *dg, const void *dh, const void *mg, const void *mh,
+           const int8_t *xq, const float *xd, const float *xs, __m512 *acc) {
+    const int per = sub16 ? 16 : 8;
+    for (int t = 0; t < mt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *wb = wg + b * Q8X8_BLOCK, *hb = wh + b * Q8X8_BLOCK;
+        __m512i w[8], wabs[8]; /* loaded once for the mt rows */
+        for (int j = 0; j < 8; j++) {
+            w[j] = join256(_mm256_loadu_si256((const __m256i *)(wb + 32 * j)),
+                           _mm256_loadu_si256((const __m256i *)(hb + 32 * j)));
+            wabs[j] = _mm512_abs_epi8(w[j]);
+        }
+        const __m512 d0 = join_ps(load_scales8(dg, b * per, half), load_scales8(dh, b * per, half));
+        const __m512 d1 =
+            sub16 ? join_ps(load_scales8(dg, b * 16 + 8, half), load_scales8(dh, b * 16 + 8, half))
+                  : d0;
+        for (int t = 0; t < mt; t++) {
+            const int8_t *x = xq + t * K + b * QK;
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                int32_t x4;
+                memcpy(&x4, x + 4 * j, 4);
+                /* x with w's sign (512-bit vectors have no vpsignb): negated where w < 0; where
+                 * w == 0 its |w| zeroes the product whatever x's sign */
+                const __m512i xv4 = _mm512_set1_epi32(x4);
+                const __m512i xs4 = _mm512_mask_sub_epi8(xv4, _mm512_movepi8_mask(w[j]),
+                                                         _mm512_setzero_si512(), xv4);
+                if (j < 4)
+                    lo = _mm512_dpbusd_epi32(lo, wabs[j], xs4);
+                else
+                    hi = _mm512_dpbusd_epi32(hi, wabs[j], xs4);
+            }
+            const __m512 xv = _mm512_set1_ps(xd[t * nb + b]);
+            if (sub16) {
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d0, xv), _mm512_cvtepi32_ps(lo), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d1, xv), _mm512_cvtepi32_ps(hi), acc[t]);
+            } else {
+                const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d0, xv), dots, acc[t]);
+            }
+            if (mg)
+                acc[t] = _mm512_fmadd_ps(
+                    join_ps(load_scales8(mg, b * 8, half), load_scales8(mh, b * 8, half)),
+                    _mm512_set1_ps(xs[t * nb + b]), acc[t]);
+        }
+    }
+}
+#endif
+
+/* Rows 8g..8g + cols - 1 of y (cols: 8, or 16 for two groups on 512-bit vectors) for every
+ * activation row, MT rows per weight pass. */
+static inline __attribute__((always_inline)) void
+q8_groups(const int sub16, const int cols, int64_t g, int64_t M, int64_t N, int64_t K,
+          const int8_t *xq, const float *xd, const float *xs, const int8_t *wq, const void *wd,
+          const void *wm, const int half, const float *bias, float *y, int accumulate) {
     const int64_t nb = K / QK, per_block = sub16 ? 16 : 8;
-    if (gemm_on_amx(sub16 ? AMX_Q8_16 : AMX_Q8, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
-                    accumulate))
-        return;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < N / 8; g++) {
-        const int8_t *wg = wq + g * nb * Q8X8_BLOCK;
-        const void *dg = scales_at(wd, g * nb * per_block, half);
-        const void *mg = wm ? scales_at(wm, g * nb * 8, half) : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            float out[MT][8];
+    const int8_t *wg = wq + g * nb * Q8X8_BLOCK;
+    const void *dg = scales_at(wd, g * nb * per_block, half);
+    const void *mg = wm ? scales_at(wm, g * nb * 8, half) : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+        float out[MT][16];
+#if SL_AVX2
+        const int8_t *x = xq + m0 * K;
+        const float *d = xd + m0 * nb, *s = xs ? xs + m0 * nb : NULL;
+#endif
+#if SL_AVX512_VNNI
+        if (cols == 16) {
+            const int8_t *wh = wg + nb * Q8X8_BLOCK;
+            const void *dh = scales_at(dg, nb * per_block, half);
+            const void *mh = mg ? scales_at(mg, nb * 8, half) : NULL;
+            __m512 acc[MT];
+            if (sub16) {
+                DISPATCH_TILE(q8x16_tile, mt, 1, half, nb, K, wg, wh, dg, dh, mg, mh, x, d, s, acc)
+            } else {
+                DISPATCH_TILE(q8x16_tile, mt, 0, half, nb, K, wg, wh, dg, dh, mg, mh, x, d, s, acc)
+            }
+            for (int t = 0; t < mt; t++) _mm512_storeu_ps(out[t], acc[t]);
+        } else
+#endif
+        {
 #if SL_AVX2
             __m256 acc[MT];
-            const int8_t *x = xq + m0 * K;
-            const float *d = xd + m0 * nb, *s = xs ? xs + m0 * nb : NULL;
             if (sub16) {
                 DISPATCH_TILE(q8x8_tile, mt, 1, half, nb, K, wg, dg, mg, x, d, s, acc)
             } else {
@@ -281,10 +351,41 @@ void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
                 }
             }
 #endif
-            for (int t = 0; t < mt; t++)
-                for (int r = 0; r < 8; r++)
-                    store(y + (m0 + t) * N + g * 8 + r, out[t][r], bias, g * 8 + r, accumulate);
         }
+        for (int t = 0; t < mt; t++)
+            for (int r = 0; r < cols; r++)
+                store(y + (m0 + t) * N + g * 8 + r, out[t][r], bias, g * 8 + r, accumulate);
+    }
+}
+
+void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                    const float *xs, const int8_t *wq, const void *wd, const void *wm, int sub16,
+                    int half, const float *bias, float *y, int accumulate) {
+    if (gemm_on_amx(sub16 ? AMX_Q8_16 : AMX_Q8, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
+                    accumulate))
+        return;
+    const int64_t groups = N / 8;
+#if SL_AVX512_VNNI
+    if (M > 1) { /* as the 4-bit GEMM (matmul.c): 16 rows a tile from two activation rows */
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < (groups + 1) / 2; u++) {
+            const int cols = 2 * u + 1 < groups ? 16 : 8;
+            if (sub16)
+                q8_groups(1, cols, 2 * u, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
+                          accumulate);
+            else
+                q8_groups(0, cols, 2 * u, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
+                          accumulate);
+        }
+        return;
+    }
+#endif
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        if (sub16)
+            q8_groups(1, 8, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
+        else
+            q8_groups(0, 8, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
     }
 }
 

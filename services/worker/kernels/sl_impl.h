@@ -175,6 +175,15 @@ static inline __m256i bcast4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
+#if SL_AVX512_VNNI
+/* one 512-bit vector from two 256-bit ones, a in the low half: the 16-row tiles' two groups */
+static inline __m512i join256(__m256i a, __m256i b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+static inline __m512 join_ps(__m256 a, __m256 b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+}
+#endif
 /* eight halves as floats */
 static inline __m256 load_half8(const uint16_t *p) {
 #if SL_F16C

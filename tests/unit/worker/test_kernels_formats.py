@@ -259,6 +259,29 @@ def test_int8_formats_row_by_row_and_interleaved(k: Kernels, qtype: Q, m: int) -
         _assert_matmul(y, a, w, torch.zeros(m, n))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q8_0, Q.Q6_K])
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(k: Kernels, qtype: Q) -> None:
+    """Each activation row's products are the bits it gets alone, whatever rows share the call:
+    what makes a speculative draft's rows and a batch's decode rows give a lone stream's tokens.
+    With AVX-512 one row runs on the 8-row tiles and more on the 16-row ones (two groups per
+    vector), with 1-8 rows per weight pass; 40 rows of weights hold two pairs and an odd group."""
+    n, kk = 40, 256
+    blocks = _random_blocks(qtype, n, kk, seed=7) if qtype in HALVES else _grid(qtype, n, kk, 7)[0]
+    linear = PackedLinear(blocks, torch.randn(n, generator=gen(3)))
+    a = _activations(11, kk, seed=300)
+    alone = torch.empty(11, n)
+    for i in range(11):
+        one = Activations(1, kk)
+        one.q.copy_(a.q[i : i + 1]), one.d.copy_(a.d[i : i + 1]), one.s.copy_(a.s[i : i + 1])
+        linear(k, one, alone[i : i + 1])
+    for m in (2, 5, 8, 9, 11):
+        part = Activations(m, kk)
+        part.q.copy_(a.q[:m]), part.d.copy_(a.d[:m]), part.s.copy_(a.s[:m])
+        y = torch.empty(m, n)
+        linear(k, part, y)
+        assert torch.equal(y, alone[:m]), f"{m} rows"
+
+
 def test_gemm_q4_0_entry_point(k: Kernels) -> None:
     m, n, kk = 5, 16, 64
     blocks, w = _grid(Q.Q4_0, n, kk, seed=3)
