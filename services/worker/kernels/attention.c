@@ -67,9 +67,30 @@ static void *thread_scratch(size_t bytes) {
     return scratch;
 }
 
-/* rows per task: with the query heads of a kv head, about this many queries share one
- * conversion of each block; their softmax rows (this many x the context) stay in L2 */
+/* queries per task, at most (run_rows) */
 #define TASK_QUERIES 48
+
+/* Rows per task run: up to TASK_QUERIES queries with the query heads of a kv head, so they
+ * share each block's conversion, and their softmax rows (that many x the context) stay in L2.
+ * A few sequences' rows (a speculative draft's, a short prompt's) are cut into shorter runs, so
+ * that their kv heads' tasks make two per thread: one sequence's five rows made three tasks for
+ * two threads, which then split by query head, each of the nine converting the blocks again;
+ * in two runs, six tasks (ops/bench/prefill_profile.py: five rows after 800 cached tokens spent
+ * 5.4 ms in attention against 6.2, two rows 3.6 against 5.2). */
+static int64_t run_rows(int64_t n, const int64_t *seq, int64_t KV, int64_t G, int threads) {
+    const int64_t rows = TASK_QUERIES / G > 0 ? TASK_QUERIES / G : 1;
+    int64_t longest = 0, len = 0, seqs = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const int next = r == 0 || seq[r] != seq[r - 1];
+        seqs += next;
+        len = next ? 1 : len + 1;
+        longest = len > longest ? len : longest;
+    }
+    const int64_t want = (2 * threads + KV - 1) / KV; /* runs for two tasks per thread */
+    if (seqs >= want || longest < 2) return rows;
+    const int64_t cut = (longest * seqs + want - 1) / want;
+    return cut < rows ? cut : rows;
+}
 
 /* qkv: [n, (H + 2 KV) * hd] straight from the fused projection (rotated in place): row r is the
  * token at position pos[r] of sequence seq[r], whose block table is tables + seq[r] *
@@ -105,7 +126,7 @@ void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
      * query heads, so the run's queries share each block's conversion. Too few of those for the
      * threads (one stream's decode: 3 kv heads for 2 threads would leave one idle a third of
      * the time) and each query head is a task of its own. Every thread lists the same runs. */
-    const int64_t rows = TASK_QUERIES / G > 0 ? TASK_QUERIES / G : 1;
+    const int64_t rows = run_rows(n, seq, KV, G, omp_get_num_threads());
     const int64_t most = rows * G; /* queries in a task */
     const size_t floats = (size_t)(2 * run + most * span);
     char *mem = thread_scratch(floats * sizeof(float) + (size_t)most * sizeof(query) +
@@ -116,7 +137,7 @@ void attention_body(int64_t n, int64_t H, int64_t KV, int64_t hd, float *qkv,
     for (int64_t r = 0; r < n; r++)
         if (r == 0 || seq[r] != seq[r - 1] || r - starts[runs - 1] == rows) starts[runs++] = r;
     starts[runs] = n;
-    const int64_t split = runs * KV >= 4 * omp_get_num_threads() ? 1 : G, per = G / split;
+    const int64_t split = runs * KV >= 2 * omp_get_num_threads() ? 1 : G, per = G / split;
     const int64_t tasks = runs * KV * split;
 #define TASK(task)                                                                                 \
     do {                                                                                           \
