@@ -99,12 +99,13 @@ q4x8_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, c
         for (int j = 0; j < 4; j++) unpack_q(five, wb, j, &lo[j], &hi[j]);
         for (int t = 0; t < mt; t++) {
             const int8_t *x = xq + t * K + b * QK;
-            __m256i s32 = _mm256_setzero_si256(); /* int32 sums straight from the bytes */
+            /* int32 sums straight from the bytes, in two chains (exact: the same sums) */
+            __m256i sa = _mm256_setzero_si256(), sb = sa;
             for (int j = 0; j < 4; j++) {
-                s32 = dpbusd256(s32, lo[j], bcast4(x + 4 * j));
-                s32 = dpbusd256(s32, hi[j], bcast4(x + 16 + 4 * j));
+                sa = dpbusd256(sa, lo[j], bcast4(x + 4 * j));
+                sb = dpbusd256(sb, hi[j], bcast4(x + 16 + 4 * j));
             }
-            const __m256 dots = _mm256_cvtepi32_ps(s32);
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(sa, sb));
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b]));
             acc[t] = _mm256_fmadd_ps(scale, dots, acc[t]);
             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t * nb + b]), acc[t]);
@@ -227,15 +228,15 @@ q4x16_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, 
         }
         for (int t = 0; t < mt; t++) {
             const int8_t *x = xq + t * K + b * QK;
-            __m512i s32 = _mm512_setzero_si512();
+            __m512i sa = _mm512_setzero_si512(), sb = sa; /* two chains, as the 8-row tile */
             for (int j = 0; j < 4; j++) {
                 int32_t x4, x16;
                 memcpy(&x4, x + 4 * j, 4);
                 memcpy(&x16, x + 16 + 4 * j, 4);
-                s32 = _mm512_dpbusd_epi32(s32, lo[j], _mm512_set1_epi32(x4));
-                s32 = _mm512_dpbusd_epi32(s32, hi[j], _mm512_set1_epi32(x16));
+                sa = _mm512_dpbusd_epi32(sa, lo[j], _mm512_set1_epi32(x4));
+                sb = _mm512_dpbusd_epi32(sb, hi[j], _mm512_set1_epi32(x16));
             }
-            const __m512 dots = _mm512_cvtepi32_ps(s32);
+            const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(sa, sb));
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b]));
             acc[t] = _mm512_fmadd_ps(scale, dots, acc[t]);
             acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc[t]);
