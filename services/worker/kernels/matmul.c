@@ -300,23 +300,16 @@ gemm_x8(const int five, int64_t M, int64_t N, int64_t K, const int8_t *xq, const
     if (gemm_on_amx(five ? AMX_Q5 : AMX_Q4, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
                     accumulate))
         return;
-    const int64_t groups = N / 8;
-#if SL_AVX512_VNNI
-    /* One row reads each weight once either way, and memory bounds it: the 8-row tile, which
-     * measured faster there. From two rows the 16-row tile (same bits either way). */
-    if (M > 1) {
+    const int64_t groups = N / 8, span = x8_span(M);
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < (groups + 1) / 2; u++) { /* pairs of groups; an odd one alone */
-            const int cols = 2 * u + 1 < groups ? 16 : 8;
-            q4_groups(five, cols, 2 * u, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
-                      accumulate);
-        }
-        return;
+    for (int64_t g = 0; g < groups; g += span) { /* an odd last group alone */
+        /* a literal width per call, each tile inlined on its own (a width known only at run time
+         * made a lone stream's five rows 4 % slower) */
+        if (g + 1 < groups && span == 2)
+            q4_groups(five, 16, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
+        else
+            q4_groups(five, 8, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
     }
-#endif
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        q4_groups(five, 8, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
 }
 
 void gemm_q4_1_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const float *xd,

@@ -364,28 +364,14 @@ void gemm_q8x8_body(int64_t M, int64_t N, int64_t K, const int8_t *xq, const flo
     if (gemm_on_amx(sub16 ? AMX_Q8_16 : AMX_Q8, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
                     accumulate))
         return;
-    const int64_t groups = N / 8;
-#if SL_AVX512_VNNI
-    if (M > 1) { /* as the 4-bit GEMM (matmul.c): 16 rows a tile from two activation rows */
+    const int64_t groups = N / 8, span = x8_span(M);
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < (groups + 1) / 2; u++) {
-            const int cols = 2 * u + 1 < groups ? 16 : 8;
-            if (sub16)
-                q8_groups(1, cols, 2 * u, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
-                          accumulate);
-            else
-                q8_groups(0, cols, 2 * u, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y,
-                          accumulate);
-        }
-        return;
-    }
-#endif
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = 0; g < groups; g += span) { /* an odd last group alone */
+        const int cols = g + 1 < groups && span == 2 ? 16 : 8;
         if (sub16)
-            q8_groups(1, 8, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
+            q8_groups(1, cols, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
         else
-            q8_groups(0, 8, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
+            q8_groups(0, cols, g, M, N, K, xq, xd, xs, wq, wd, wm, half, bias, y, accumulate);
     }
 }
 

@@ -317,6 +317,11 @@ static inline void store(float *y, float v, const float *bias, int64_t n, int ac
         SL_CASES_4_TO_1(fn, __VA_ARGS__)                                                           \
     }
 
+/* Weight groups (eight interleaved rows each) per tile of the interleaved GEMMs (matmul.c, q8.c):
+ * two, on 512-bit vectors, from two activation rows. One row reads each weight once either way,
+ * and memory bounds it: there the 8-row tile measured faster. The bits are the same either way. */
+static inline int64_t x8_span(int64_t M) { return SL_AVX512_VNNI && M > 1 ? 2 : 1; }
+
 /* static asserts: the ABI's sizes (mirrored by ctypes, checked again at load through sl_sizeof) */
 _Static_assert(sizeof(sl_block_q4_0) == 2 + QK / 2, "block_q4_0 is 18 bytes");
 _Static_assert(sizeof(sl_block_q4_1) == 4 + QK / 2, "block_q4_1 is 20 bytes");
