@@ -7,12 +7,13 @@ estimates and its rest). Knows nothing of blocks, models or token ids: the specu
 tells it how each draft fared.
 
 A draft row costs compute whether or not the model agrees with it. On the CPU kernels one more
-row costs a quarter to a sixth of a one-row step, so a row is worth adding only while its draft
-token's chance of acceptance beats the tokens per unit of cost that the step already yields,
-a bar that rises with the batch (``allot``). What a row costs against the step it joins is
-measured (``StepCost``): it differs by machine (without AMX's tiles a row is dearer once a
-step has a few), by backend (torch's GEMMs, a GPU) and by how the step runs (a GPU step with
-draft rows cannot replay a decode graph). The chance is estimated per match length, the
+row costs a quarter to a sixth of a one-row step, so rows are worth adding only while their
+draft tokens' chances of acceptance raise the tokens per second the step yields, a bar that
+rises with the batch (``allot``). What draft rows add to the step they join is measured
+(``StepCost``), per count of rows: it differs by machine (without AMX's tiles a row is dearer
+once a step has a few; on AVX2 the first row past a multiple of four pays a weight pass of its
+own), by backend (torch's GEMMs, a GPU) and by how the step runs (a GPU step with draft rows
+cannot replay a decode graph). The chance is estimated per match length, the
 strongest signal there is: a draft continuing an earlier 4-gram of the sequence is nearly
 always right when the sequence copies, one continuing a lone matching token rarely is (measured
 on the default model: 1-gram drafts 0-19 % accepted, 4-gram ones 91-100 %). Each sequence
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import pairwise
 from statistics import median
 
-__all__ = ["DraftPacer", "DraftRecord", "StepCost"]
+__all__ = ["DraftPacer", "DraftRecord", "Price", "StepCost"]
 
 
 @dataclass
@@ -48,21 +50,52 @@ class DraftRecord:
 Offer = tuple[DraftRecord, int, int]
 
 
+@dataclass(frozen=True)
+class Price:
+    """A step's time without drafts, and what draft rows add to it, in one unit: seconds where
+    measured, else the prior's (a draft row)."""
+
+    plain: float
+    # (draft rows, the time they add), from (0, 0) up, as measured; past the last point each
+    # row adds what the last two points' rows did (one point: its average)
+    points: tuple[tuple[int, float], ...]
+
+    def added(self, d: int) -> float:
+        """What ``d`` draft rows add to the step."""
+        for (d0, a0), (d1, a1) in pairwise(self.points):
+            if d <= d1:
+                return a0 + (a1 - a0) * (d - d0) / (d1 - d0)
+        last, at = self.points[-1]
+        return at + self.slope() * (d - last)
+
+    def slope(self) -> float:
+        """What a row adds past the last measured point."""
+        (d0, a0), (d1, a1) = self.points[-2:]
+        return max((a1 - a0) / (d1 - d0), 0.0)
+
+    def cheapest_row(self) -> float:
+        """The least any one draft row adds, wherever it falls."""
+        steps = ((a1 - a0) / (d1 - d0) for (d0, a0), (d1, a1) in pairwise(self.points))
+        return min(self.slope(), *steps)
+
+
 class StepCost:
-    """A step's cost in units of one draft row, as measured on this worker.
+    """A decode step's time as measured on this worker: without drafts, and what ``d`` draft
+    rows add to it, by the step's rows.
 
-    Learns from whole decode steps (the forward and the token choice after it), by the step's
-    rows: the time of a step without drafts, and the time a draft row adds to it, from steps
-    with drafts set against the plain ones. Both depend on the rows: on a Zen 4 EPYC (AVX-512,
-    no AMX) a draft row added 0.7 ms to one row's 4.9 ms step, which reading the weights bounds,
-    but 1.2 ms to four rows' 6.4 ms, where the GEMMs and attention compute. Until both are
-    known for a step's rows, the prior stands: ``BASE + rows``.
-
-    The prior is the CPU kernels' on an AMX Xeon (ops/bench/row_cost.py, default model, 2
-    threads, 400-token contexts: one row 5.5 ms, two 7.0, three 8.1, five 9.7; in a 4-stream
-    story one more row took a step from 9.0 to 10.3 ms), in units of the dearest row. On the
-    EPYC, four rows' step is 5.3 units, not the prior's 6.5, and the 73 %-accepted drafts of a
-    four-stream story, which the prior let through, made it 5 % slower (ops/bench/speculative.py).
+    Learns from whole decode steps (the forward and the token choice after it). What draft rows
+    add is neither linear nor the same everywhere, so it is kept per draft-row count, not as
+    one cost per row: on an AVX2 EPYC (2 cores, four streams after 900 tokens, 15.0 ms a step)
+    the first draft row added 4.4 ms and the next three 2.4, 2.5 and 1.9 (the GEMMs run four
+    activation rows per weight pass, so a fifth row pays a pass of its own), while beside one
+    row on an AMX Xeon the first is the cheapest (5.5, 7.0, 8.1 ms for 1, 2, 3 rows: reading
+    the weights bounds one row). A per-row average, learned mostly from steps with a row or two,
+    priced every row as the dear first and kept a four-stream code edit from drafting at all in
+    some runs (4 to 560 draft tokens verified in runs of the same jobs, 1.03x the plain rate
+    against 1.19x for a fixed two-token draft; with this model 1.16x, 509-600 in every run).
+    Until a row count's steps are measured, the prior stands: ``BASE + rows`` units, a unit
+    per draft row (the CPU kernels' on an AMX Xeon, ops/bench/row_cost.py, in units of the
+    dearest row).
     """
 
     BASE = 2.5
@@ -70,49 +103,83 @@ class StepCost:
     # (another process takes a core), and an average it drags up would overstate a plain step
     # against its draft rows, the side on which a wrong estimate costs speed.
     KEEP = 15
-    # A row's cost is only measured while drafts are verified, so one measured in a slow spell
-    # could keep drafts off for good: after this many plain steps of a row count without a
-    # drafted one, its row cost is forgotten and the prior decides again. Each time it is
-    # forgotten the wait doubles, up to MAX_STALE: a GPU whose drafted steps lose their decode
-    # graph (an eager step costs several replayed ones) pays for one in 100 steps, then one in
-    # 200 .. 6,400, not one in 100 for good.
+    # What draft rows add is only measured while drafts are verified, so one measured in a slow
+    # spell could keep drafts off for good: after this many plain steps of a row count without
+    # a drafted one, it is forgotten and the prior decides again. Each time it is forgotten the
+    # wait doubles, up to MAX_STALE: a GPU whose drafted steps lose their decode graph (an
+    # eager step costs several replayed ones) pays for one in 100 steps, then one in 200 ..
+    # 6,400, not one in 100 for good.
     STALE, MAX_STALE = 100, 6400
-    MAX_UNITS = 256.0  # rows nearly free (a GPU's eager step, memory-bound): a bound all the same
+    # Drafted steps are set against the plain steps before them, which a stream that drafts
+    # every step never refreshes: their contexts fall behind (each cached token makes a step
+    # dearer), and a drift of the machine is charged to the drafts. So after this many drafted
+    # steps of a row count in a row, one step is plain (``DraftPacer.allot``): ~3 % of a
+    # copying stream's steps.
+    REFRESH = 32
 
     def __init__(self) -> None:
         self.plain: dict[int, deque[float]] = {}  # by rows: seconds of steps without drafts
-        self.row: dict[int, deque[float]] = {}  # by rows: seconds a draft row added to them
+        # by rows, by draft rows: the seconds those draft rows added to the rows' plain step
+        self.added: dict[int, dict[int, deque[float]]] = {}
         self.since: dict[int, int] = {}  # by rows: plain steps since the last drafted one
-        self.stale: dict[int, int] = {}  # by rows: plain steps after which a row cost is forgotten
+        self.stale: dict[int, int] = {}  # by rows: plain steps after which ``added`` is forgotten
+        self.drafted: dict[int, int] = {}  # by rows: drafted steps since the last plain one
 
     def observe(self, seconds: float, rows: int, drafted: int) -> None:
         """Learn from a decode step of ``rows`` rows and ``drafted`` draft rows."""
         if not drafted:
             self.plain.setdefault(rows, deque(maxlen=self.KEEP)).append(seconds)
+            self.drafted[rows] = 0
             self.since[rows] = self.since.get(rows, 0) + 1
             stale = self.stale.get(rows, self.STALE)
-            if self.since[rows] > stale and self.row.pop(rows, None) is not None:
+            if self.since[rows] > stale and self.added.pop(rows, None) is not None:
                 self.stale[rows] = min(2 * stale, self.MAX_STALE)
         elif rows in self.plain:
-            added = max(seconds - median(self.plain[rows]), 0.0) / drafted
-            self.row.setdefault(rows, deque(maxlen=self.KEEP)).append(added)
+            added = max(seconds - median(self.plain[rows]), 0.0)
+            by_count = self.added.setdefault(rows, {})
+            by_count.setdefault(drafted, deque(maxlen=self.KEEP)).append(added)
             self.since[rows] = 0
+            self.drafted[rows] = self.drafted.get(rows, 0) + 1
 
-    def units(self, rows: int) -> float:
-        """A step of ``rows`` rows (drafts aside), in units of a draft row.
+    def refresh(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows should be plain, to measure one (``REFRESH``)."""
+        return self.drafted.get(rows, 0) >= self.REFRESH
 
-        A row count whose draft rows were never measured but whose plain steps were takes the
-        row cost measured at the nearest row count (the larger of two as near: a row costs more
-        beside more rows). The batch shrinks as its streams end, and each new count would
-        otherwise fall back to the prior, which on an AVX2 EPYC (Zen 3) put a three-row step
-        at 5.5 units where it measured about 8: a copying stream's drafts were refused."""
-        measured = rows if rows in self.row else None
-        if measured is None and rows in self.plain and self.row:
-            measured = min(self.row, key=lambda r: (abs(r - rows), -r))
+    def price(self, rows: int) -> Price:
+        """A step of ``rows`` rows (drafts aside) and what draft rows add to it.
+
+        A row count whose draft rows were never measured but whose plain steps were takes what
+        they add at the nearest row count (the larger of two as near: a row costs more beside
+        more rows), or the prior's share of its plain step. The batch shrinks as its streams
+        end, and each new count would otherwise fall back to the prior, which on an AVX2 EPYC
+        (Zen 3) put a three-row step at 5.5 units where it measured about 8: a copying stream's
+        drafts were refused."""
+        if rows not in self.plain:
+            return Price(self.BASE + rows, ((0, 0.0), (1, 1.0)))
+        plain = median(self.plain[rows])
+        measured = rows if rows in self.added else None
+        if measured is None and self.added:
+            measured = min(self.added, key=lambda r: (abs(r - rows), -r))
         if measured is None:
-            return self.BASE + rows
-        plain, row = median(self.plain[rows]), median(self.row[measured])
-        return min(plain / max(row, 1e-9), self.MAX_UNITS)
+            return Price(plain, ((0, 0.0), (1, plain / (self.BASE + rows))))
+        return Price(plain, ((0, 0.0), *_rising(self.added[measured])))
+
+
+def _rising(added: dict[int, deque[float]]) -> list[tuple[int, float]]:
+    """Each draft-row count's median added time, made to never fall as rows are added: where a
+    count's median lies above a larger count's, both take their steps' weighted mean (pool
+    adjacent violators). A count seldom verified keeps a median from few steps, one of them in
+    a slow spell, say; unsmoothed, it would price its rows above more rows' and never be chosen,
+    so never measured again (seen on an AVX2 EPYC: 22.6 ms for four draft rows beside four
+    streams, 17.9 for six)."""
+    pools: list[tuple[float, int, list[int]]] = []  # (weighted sum, steps, counts)
+    for d, times in sorted(added.items()):
+        total, steps, counts = median(times) * len(times), len(times), [d]
+        while pools and pools[-1][0] / pools[-1][1] > total / steps:
+            was = pools.pop()
+            total, steps, counts = total + was[0], steps + was[1], was[2] + counts
+        pools.append((total, steps, counts))
+    return [(d, total / steps) for total, steps, counts in pools for d in counts]
 
 
 class DraftPacer:
@@ -175,14 +242,18 @@ class DraftPacer:
 
     def hopeless(self, record: DraftRecord, *, rows: int, tokens: int) -> bool:
         """Whether no draft of the sequence can be worth a row in a step of ``rows`` rows and
-        ``tokens`` tokens: ``allot`` would keep none (its bar only rises as rows are added), so
-        the sequence need not look for one, which costs ~20 us a sequence and step. Every
-        length's shared estimate then drifts as an unused offer's does."""
-        bar = max((1 + self.MARGIN) * tokens / self.cost.units(rows), self._floor(tokens))
-        lengths = range(1, len(self.shared))
-        if any(self.chance(record, n) > bar for n in lengths):
-            return False
-        for n in lengths:
+        ``tokens`` tokens: ``allot`` would keep none of its rows, wherever they fell among the
+        step's (its best chance, discounted by ``MARGIN``, does not beat the plain step's
+        tokens per time at the cheapest a row comes), so the sequence need not look for one,
+        which costs ~20 us a sequence and step. Every length's shared estimate then drifts as
+        an unused offer's does."""
+        price = self.cost.price(rows)
+        floor, cheapest = self._floor(tokens), price.cheapest_row()
+        for n in range(1, len(self.shared)):
+            a = self.chance(record, n)
+            if a > floor and a * price.plain > (1 + self.MARGIN) * tokens * cheapest:
+                return False
+        for n in range(1, len(self.shared)):
             self._unused(n)
         return True
 
@@ -192,22 +263,32 @@ class DraftPacer:
 
         Draft token ``j`` of an offer whose tokens are accepted with estimated probability ``a``
         is accepted with probability ``a ** j``: that is what its row adds to the step's
-        expected tokens, for one unit of cost. A step yielding ``T`` tokens for cost ``C``
-        yields more per unit of time with the row only if ``a ** j > T / C``, here with a
-        ``MARGIN``; rows are added best first while that holds, so a large batch keeps only drafts
-        likely to be accepted, and a lone stream drafts on weaker evidence.
+        expected tokens, here discounted by ``MARGIN``. Rows are taken best first, and the step
+        verifies as many as make its expected tokens per time highest, if that beats the plain
+        step's (``StepCost.price``: what so many draft rows add, as measured). So a large batch
+        keeps only drafts likely to be accepted, a lone stream drafts on weaker evidence, and
+        rows whose first is dear (a weight pass of its own) are verified when enough of them
+        share it. Every ``StepCost.REFRESH`` drafted steps the step is plain instead.
         """
-        expected, cost, floor = float(tokens), self.cost.units(rows), self._floor(tokens)
+        keep = [0] * len(offers)
+        if self.cost.refresh(rows):
+            return keep
+        floor = self._floor(tokens)
         chances: list[tuple[float, int]] = []  # (a draft token's chance, its offer)
         for i, (record, n, length) in enumerate(offers):
             a = self.chance(record, n)
             chances.extend((a ** (j + 1), i) for j in range(length))
-        keep = [0] * len(offers)
-        for chance, i in sorted(chances, key=lambda c: -c[0]):
-            if chance * cost <= (1 + self.MARGIN) * expected or chance <= floor:
+        chances.sort(key=lambda c: -c[0])
+        price = self.cost.price(rows)
+        best, rows_kept, expected = tokens / price.plain, 0, float(tokens)
+        for d, (chance, _) in enumerate(chances, start=1):
+            if chance <= floor:
                 break
+            expected += chance / (1 + self.MARGIN)
+            if expected / (price.plain + price.added(d)) > best:
+                best, rows_kept = expected / (price.plain + price.added(d)), d
+        for _, i in chances[:rows_kept]:
             keep[i] += 1
-            expected, cost = expected + chance, cost + 1
         for (_, n, _), kept in zip(offers, keep, strict=True):
             if not kept:
                 self._unused(n)

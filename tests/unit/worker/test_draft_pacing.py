@@ -1,13 +1,13 @@
 """``DraftPacer`` alone: how many tokens of each offered draft a step verifies, and what it
 learns from verified drafts (per sequence and, shared, per match length), with rests after
 wholly rejected drafts, and from drafts it did not verify, checked against the tokens then
-chosen; ``StepCost``: what a draft row costs, as measured."""
+chosen; ``StepCost``: what draft rows add to a step, as measured."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.worker.draft_pacing import DraftPacer, DraftRecord, StepCost
+from services.worker.draft_pacing import DraftPacer, DraftRecord, Price, StepCost
 
 
 def decode_step(pacer: DraftPacer, offers: list[tuple[DraftRecord, int, int]]) -> list[int]:
@@ -18,9 +18,9 @@ def decode_step(pacer: DraftPacer, offers: list[tuple[DraftRecord, int, int]]) -
 
 def test_a_row_is_kept_while_its_chance_beats_the_steps_tokens_per_cost() -> None:
     pacer = DraftPacer(4)
-    # alone, a fresh 4-gram match (prior 0.8), each row against 1.15 times the tokens it adds
-    # to: cost 2.5 + 1 = 3.5 for 1 token; 0.8 * 3.5 > 1.15, 0.64 * 4.5 > 1.15 * 1.8,
-    # 0.512 * 5.5 > 1.15 * 2.44, then 0.41 * 6.5 < 1.15 * 2.95: three tokens
+    # alone, a fresh 4-gram match (prior 0.8): the plain step is 2.5 + 1 units for 1 token,
+    # each draft row a unit for its chance over 1.15 (0.70, 0.56, 0.45, 0.36); tokens per
+    # unit with 0-4 rows: 0.29, 0.38, 0.41, 0.415, 0.41: three tokens
     assert decode_step(pacer, [(DraftRecord(), 4, 4)]) == [3]
     assert decode_step(pacer, [(DraftRecord(), 2, 4)]) == [1]  # prior 0.4
     assert decode_step(pacer, [(DraftRecord(), 1, 4)]) == [0]  # prior 0.2: never worth a row
@@ -30,7 +30,7 @@ def test_a_row_is_kept_while_its_chance_beats_the_steps_tokens_per_cost() -> Non
     assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(16)]) == [0] * 16
     copying = DraftRecord(estimates={4: 0.95})
     assert decode_step(pacer, [(copying, 4, 4)]) == [4]
-    assert decode_step(pacer, [(copying, 4, 4)] * 4) == [2] * 4
+    assert decode_step(pacer, [(copying, 4, 4)] * 4) == [3] * 4
     assert decode_step(pacer, [(copying, 4, 4), *[(DraftRecord(), 4, 4)] * 7]) == [2] + [0] * 7
     assert decode_step(pacer, [(copying, 4, 2)]) == [2]  # never more than offered
 
@@ -91,8 +91,9 @@ def test_wholly_rejected_drafts_rest_the_sequence_longer_each_time() -> None:
 
 
 def test_a_sequence_that_cannot_draft_a_row_worth_it_is_not_searched() -> None:
-    """``hopeless`` agrees with ``allot``: true exactly when no length's chance beats the step's
-    starting bar, and then every length drifts as an unused offer's would."""
+    """``hopeless`` agrees with ``allot``: when true, no row of the sequence's is kept (for a
+    lone offer at the prior's cost, true exactly when none is), and then every length drifts
+    as an unused offer's would."""
     pacer = DraftPacer(4)
     fresh, copying = DraftRecord(), DraftRecord(estimates={4: 0.95})
     for n in (1, 4, 16):
@@ -110,14 +111,44 @@ def test_a_sequence_that_cannot_draft_a_row_worth_it_is_not_searched() -> None:
 
 def test_step_cost_is_the_prior_until_a_rows_plain_and_drafted_steps_are_measured() -> None:
     cost = StepCost()
-    assert cost.units(4) == StepCost.BASE + 4
+    assert cost.price(4) == Price(StepCost.BASE + 4, ((0, 0.0), (1, 1.0)))  # in units of a row
     cost.observe(0.0060, rows=4, drafted=0)
-    assert cost.units(4) == StepCost.BASE + 4  # no draft row measured yet
-    cost.observe(0.0084, rows=4, drafted=2)  # two draft rows added 2.4 ms: 1.2 ms each
-    assert cost.units(4) == pytest.approx(0.0060 / 0.0012)
-    assert cost.units(1) == StepCost.BASE + 1  # each row count has its own
+    price = cost.price(4)  # no draft row measured yet: the prior's share of the plain step
+    assert price.plain == 0.006 and price.added(2) == pytest.approx(2 * 0.006 / 6.5)
+    cost.observe(0.0084, rows=4, drafted=2)  # two draft rows added 2.4 ms
+    price = cost.price(4)
+    assert price.added(2) == pytest.approx(0.0024)
+    assert price.added(1) == pytest.approx(0.0012)  # between none and two
+    assert price.added(5) == pytest.approx(0.0060)  # past two: what each of those two added
+    assert cost.price(1).plain == StepCost.BASE + 1  # each row count has its own
     cost.observe(0.0050, rows=1, drafted=3)  # a drafted step with no plain one to set against
-    assert cost.units(1) == StepCost.BASE + 1
+    assert cost.price(1).plain == StepCost.BASE + 1
+
+
+def test_what_each_count_of_draft_rows_adds_is_kept_apart() -> None:
+    """The first draft row beside four streams pays a weight pass of its own (the AVX2 GEMMs
+    take four activation rows a pass): each count keeps its own time, and past the last count
+    measured a row adds what the last two counts' rows did."""
+    cost = StepCost()
+    for seconds, drafted in [(0.0150, 0), (0.0194, 1), (0.0218, 2), (0.0261, 4)]:
+        cost.observe(seconds, rows=4, drafted=drafted)
+    price = cost.price(4)
+    assert [price.added(d) for d in (1, 2, 3, 4, 6)] == pytest.approx(
+        [0.0044, 0.0068, 0.00895, 0.0111, 0.0154]
+    )
+    assert price.cheapest_row() == pytest.approx(0.00215)
+
+
+def test_a_count_seldom_measured_never_prices_its_rows_above_more_rows() -> None:
+    """Medians are pooled where a count's lies above a larger count's (weighted by steps), so a
+    count measured once in a slow spell is not refused for good (never chosen, never measured)."""
+    cost = StepCost()
+    cost.observe(0.015, rows=4, drafted=0)
+    cost.observe(0.0376, rows=4, drafted=4)  # once, slow: 22.6 ms
+    for _ in range(5):
+        cost.observe(0.0329, rows=4, drafted=6)  # 17.9 ms, five times
+    price = cost.price(4)
+    assert price.added(4) == price.added(6) == pytest.approx((0.0226 + 5 * 0.0179) / 6)
 
 
 def test_step_cost_takes_medians_so_a_slow_step_moves_it_little() -> None:
@@ -126,7 +157,22 @@ def test_step_cost_takes_medians_so_a_slow_step_moves_it_little() -> None:
         cost.observe(seconds, rows=4, drafted=0)
     for seconds in [0.0072] * 6 + [0.0400]:
         cost.observe(seconds, rows=4, drafted=1)
-    assert cost.units(4) == pytest.approx(5.0)
+    assert cost.price(4).plain == 0.006
+    assert cost.price(4).added(1) == pytest.approx(0.0012)
+
+
+def test_a_plain_step_is_measured_again_among_drafted_ones() -> None:
+    """Drafted steps are set against plain ones, which a stream drafting every step would never
+    refresh: every ``REFRESH`` drafted steps of a row count, one is plain."""
+    pacer = DraftPacer(4)
+    copying = [(DraftRecord(estimates={4: 0.95}), 4, 4)]
+    pacer.cost.observe(0.006, rows=1, drafted=0)
+    for _ in range(StepCost.REFRESH):
+        assert decode_step(pacer, copying) == [4]
+        pacer.cost.observe(0.008, rows=1, drafted=4)
+    assert decode_step(pacer, copying) == [0]
+    pacer.cost.observe(0.006, rows=1, drafted=0)
+    assert decode_step(pacer, copying) == [4]
 
 
 def test_a_dear_measured_row_refuses_drafts_the_prior_would_verify() -> None:
@@ -141,6 +187,18 @@ def test_a_dear_measured_row_refuses_drafts_the_prior_would_verify() -> None:
         pacer.cost.observe(0.0061, rows=1, drafted=0)
         pacer.cost.observe(0.0063, rows=1, drafted=1)
     assert decode_step(pacer, story[:1]) == [4]
+
+
+def test_rows_whose_first_is_dear_are_verified_when_enough_share_it() -> None:
+    pacer = DraftPacer(4)
+    for seconds, drafted in [(0.0150, 0), (0.0194, 1), (0.0218, 2), (0.0261, 4)]:
+        pacer.cost.observe(seconds, rows=4, drafted=drafted)
+    copying, other = (DraftRecord(estimates={4: 0.95}), 4, 1), (DraftRecord(), 1, 1)
+    # one token of one stream would pay for the first row, 4.4 ms, alone: 4.83 tokens in
+    # 19.4 ms is fewer per second than 4 in 15
+    assert decode_step(pacer, [copying, other, other, other]) == [0] * 4
+    # four streams' share it: 7.3 in 26.1 ms
+    assert decode_step(pacer, [copying] * 4) == [1] * 4
 
 
 def test_beside_other_streams_a_row_needs_a_copying_chance_however_cheap() -> None:
@@ -161,17 +219,18 @@ def test_a_row_cost_not_measured_for_a_hundred_plain_steps_is_forgotten() -> Non
     cost = StepCost()
     cost.observe(0.006, rows=1, drafted=0)
     cost.observe(0.106, rows=1, drafted=1)  # measured in a slow spell: drafts look hopeless
-    assert cost.units(1) == pytest.approx(0.06)
+    assert cost.price(1).added(1) == pytest.approx(0.1)
     for _ in range(StepCost.STALE):
         cost.observe(0.006, rows=1, drafted=0)
-    assert cost.units(1) == pytest.approx(0.06)
+    assert cost.price(1).added(1) == pytest.approx(0.1)
     cost.observe(0.006, rows=1, drafted=0)
-    assert cost.units(1) == StepCost.BASE + 1  # the prior again: drafts are tried and measured
+    # the prior's share again: drafts are tried and measured
+    assert cost.price(1).added(1) == pytest.approx(0.006 / (StepCost.BASE + 1))
     waits = []
     for _ in range(4):  # each time the drafts still lose, it waits twice as long to try again
         cost.observe(0.106, rows=1, drafted=1)
         plain = 0
-        while cost.units(1) != StepCost.BASE + 1:
+        while 1 in cost.added:
             cost.observe(0.006, rows=1, drafted=0)
             plain += 1
         waits.append(plain)
@@ -185,17 +244,19 @@ def test_a_row_count_never_drafted_takes_the_nearest_measured_row_cost() -> None
         cost.observe(0.0225, rows=4, drafted=1)  # a draft row: 2.5 ms beside four rows
         cost.observe(0.0160, rows=3, drafted=0)  # three rows, never drafted beside
         cost.observe(0.0050, rows=1, drafted=0)
-        cost.observe(0.0060, rows=1, drafted=2)  # 0.5 ms beside one row
-    assert cost.units(4) == pytest.approx(8.0)
-    assert cost.units(3) == pytest.approx(0.016 / 0.0025)  # not the prior's 5.5
+        cost.observe(0.0060, rows=1, drafted=2)  # 0.5 ms a row beside one row
+    assert cost.price(4).added(1) == pytest.approx(0.0025)
+    price = cost.price(3)
+    assert price.plain == 0.016 and price.added(1) == pytest.approx(0.0025)  # not the prior's
     cost.observe(0.0110, rows=2, drafted=0)  # nearer one row's measured cost than four's
-    assert cost.units(2) == pytest.approx(0.011 / 0.0005)
+    assert cost.price(2).added(1) == pytest.approx(0.0005)
     for _ in range(3):
         cost.observe(0.0300, rows=6, drafted=0)
         cost.observe(0.0340, rows=6, drafted=1)  # 4 ms beside six rows
     cost.observe(0.0250, rows=5, drafted=0)  # as near to four as to six: the larger's
-    assert cost.units(5) == pytest.approx(0.025 / 0.004)
-    assert cost.units(7) == StepCost.BASE + 7  # no plain step of seven rows either: the prior
+    assert cost.price(5).added(1) == pytest.approx(0.004)
+    # no plain step of seven rows either: the prior
+    assert cost.price(7) == Price(StepCost.BASE + 7, ((0, 0.0), (1, 1.0)))
 
 
 def test_an_unverified_draft_is_checked_against_the_tokens_then_chosen() -> None:

@@ -24,7 +24,7 @@ import torch
 
 from services.worker import kernels
 from services.worker.block_pool import chain_hashes
-from services.worker.draft_pacing import StepCost
+from services.worker.draft_pacing import Price, StepCost
 from services.worker.loaders import load_model
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.speculation import SpecStats, Speculator
@@ -86,8 +86,11 @@ async def pair(
 class FreeRows(StepCost):
     """A step cost that says draft rows cost nothing beside a step, whatever is measured."""
 
-    def units(self, rows: int) -> float:
-        return 1e6
+    def price(self, rows: int) -> Price:
+        return Price(1.0, ((0, 0.0), (1, 1e-6)))
+
+    def refresh(self, rows: int) -> bool:
+        return False  # nothing to measure
 
 
 def verify_every_draft(speculator: Speculator) -> None:

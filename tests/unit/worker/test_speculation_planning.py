@@ -119,7 +119,7 @@ def test_the_step_and_the_match_set_the_length() -> None:
 
     sure, unsure = dict.fromkeys(range(1, 5), 0.95), dict.fromkeys(range(1, 5), 0.5)
     assert drafts([sure]) == [4] and drafts([unsure]) == [1]
-    assert drafts([sure] * 4) == [2] * 4 and drafts([unsure] * 4) == [0] * 4
+    assert drafts([sure] * 4) == [3] * 4 and drafts([unsure] * 4) == [0] * 4
     assert drafts([sure] + [unsure] * 7) == [2] + [0] * 7
     # "1" ends REPEAT + [1]: the match is the 4-gram "5 6 7 1"; only that length's record counts
     assert drafts([{4: 0.95, 1: 0.1}]) == [4] and drafts([{4: 0.1, 1: 0.95}]) == [0]
@@ -159,7 +159,7 @@ def test_the_step_cost_learns_from_decode_steps_alone() -> None:
     spec = Speculator(4)
     spec.propose(p.plan(), p, context_length=1024)  # one row and four draft rows
     spec.observe(0.009)
-    assert spec.pacer.cost.plain == {} and spec.pacer.cost.row == {}  # nothing to set it against
+    assert spec.pacer.cost.plain == {} and spec.pacer.cost.added == {}  # nothing to set it against
     s.pace = DraftRecord(rest=5)  # resting: a plain step
     spec.propose(p.plan(), p, context_length=1024)
     spec.observe(0.005)
@@ -169,8 +169,8 @@ def test_the_step_cost_learns_from_decode_steps_alone() -> None:
     s.pace = DraftRecord(estimates=dict.fromkeys(range(1, 5), 0.95))
     spec.propose(p.plan(), p, context_length=1024)
     spec.observe(0.009)
-    assert list(spec.pacer.cost.row[1]) == [pytest.approx(0.001)]
-    assert spec.pacer.cost.units(1) == pytest.approx(5.0)
+    assert list(spec.pacer.cost.added[1][4]) == [pytest.approx(0.004)]  # four draft rows
+    assert spec.pacer.cost.price(1).added(1) == pytest.approx(0.001)
     fresh = seq([30, *REPEAT])
     p.pending.append(fresh)
     p.admit()
