@@ -1,0 +1,150 @@
+"""Draft pacing A/B: the speculative benchmark's jobs under several pacers, alternating in one
+process on one loaded model.
+
+On the 2-core machines this runs on, the same work measures 7-20 % apart minutes later, and
+even across one bench run's pairs; a pacer's gain of a few percent is only seen when its runs
+alternate with the others' many times over one loaded model. Modes, each with its own
+``Speculator`` kept from round to round (as a serving worker keeps one):
+
+* ``off``: no speculator, the reference for every ratio;
+* ``pacer``: this checkout's ``DraftPacer``;
+* ``fixed:K``: every offered draft verified up to ``K`` tokens (no cost model, no rests);
+* ``baseline``: the ``DraftPacer`` of ``--baseline FILE`` (another checkout's
+  ``services/worker/draft_pacing.py``, with the same interface).
+
+Rounds alternate the modes' order (forwards, then backwards). Prints, per mode, the median
+tokens/s (``ops.bench.speculative.run``'s measure), its ratio to the "off" median, each
+round's rate and (draft tokens, accepted) per run; every run's output must equal the first's::
+
+    .venv/bin/python -m ops.bench.pacing --workload code_edit --concurrency 4 --rounds 6 \\
+        --modes off pacer fixed:2 baseline --baseline /tmp/old/draft_pacing.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ops.bench.machine_load import emit
+from ops.bench.speculative import job, prompts, run
+from services.worker.draft_pacing import DraftPacer, DraftRecord, Offer
+from services.worker.speculation import Speculator
+from services.worker.torch_backend import TorchBackend
+from shared.config import Settings
+
+
+class FixedPacer(DraftPacer):
+    """Verifies every offered draft up to ``k`` tokens: what drafting alone gives, no pacing."""
+
+    def __init__(self, max_n: int, k: int) -> None:
+        super().__init__(max_n)
+        self.k = k
+
+    def due(self, record: DraftRecord) -> bool:
+        return True
+
+    def hopeless(self, record: DraftRecord, *, rows: int, tokens: int) -> bool:
+        return False
+
+    def allot(self, offers: list[Offer], *, rows: int, tokens: int) -> list[int]:
+        return [min(length, self.k) for _, _, length in offers]
+
+
+def baseline_pacer(path: Path, max_n: int) -> Any:
+    """The ``DraftPacer`` defined in the file at ``path``, built for ``max_n``."""
+    spec = importlib.util.spec_from_file_location("baseline_draft_pacing", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.DraftPacer(max_n)
+
+
+def speculator(mode: str, args: argparse.Namespace) -> Speculator | None:
+    """A fresh speculator for ``mode`` (None for "off")."""
+    if mode == "off":
+        return None
+    spec = Speculator(args.k)
+    if mode.startswith("fixed:"):
+        spec.pacer = FixedPacer(spec.max_n, int(mode.split(":", 1)[1]))
+    elif mode == "baseline":
+        if args.baseline is None:
+            raise SystemExit("mode baseline needs --baseline FILE")
+        spec.pacer = baseline_pacer(args.baseline, spec.max_n)
+    elif mode != "pacer":
+        raise SystemExit(f"unknown mode {mode!r}")
+    return spec
+
+
+async def bench(args: argparse.Namespace) -> None:
+    """Run every mode ``args.rounds`` times on the same jobs and print each mode's summary."""
+    b = TorchBackend.load(
+        Settings(threads=args.threads, max_batch=args.concurrency, speculative=True),
+        "smollm2",
+        None,
+    )
+    await b.start()
+    try:
+        text = prompts()[args.workload]
+        texts = [f"({i + 1}.0) {text}" for i in range(args.concurrency)]  # as speculative.py's
+        jobs = [[job(b, t, i, args.tokens)] for i, t in enumerate(texts)]
+        await run(b, [[job(b, t, 99, 1)] for t in texts])  # every prompt cached alike
+        specs = {mode: speculator(mode, args) for mode in args.modes}
+        rates: dict[str, list[float]] = {mode: [] for mode in args.modes}
+        drafted: dict[str, list[tuple[int, int]]] = {mode: [] for mode in args.modes}
+        first: list[list[int]] | None = None
+        for r in range(args.rounds):
+            for mode in args.modes if r % 2 == 0 else args.modes[::-1]:
+                spec = specs[mode]
+                b.scheduler.speculator = spec
+                was = (spec.stats.draft_tokens, spec.stats.accepted_tokens) if spec else (0, 0)
+                rate, ids = await run(b, jobs)
+                first = first or ids
+                if ids != first:
+                    raise SystemExit(f"{mode}: output differs from the first run's")
+                now = (spec.stats.draft_tokens, spec.stats.accepted_tokens) if spec else (0, 0)
+                rates[mode].append(rate)
+                drafted[mode].append((now[0] - was[0], now[1] - was[1]))
+        off = statistics.median(rates["off"]) if "off" in rates else None
+        for mode in args.modes:
+            median = statistics.median(rates[mode])
+            emit(
+                {
+                    "workload": args.workload,
+                    "concurrency": args.concurrency,
+                    "mode": mode,
+                    "median_tok_s": round(median, 1),
+                    "vs_off": round(median / off, 3) if off else None,
+                    "runs": [round(x, 1) for x in rates[mode]],
+                    "drafted_accepted": drafted[mode],
+                }
+            )
+    finally:
+        await b.stop()
+
+
+def main() -> None:
+    """Parse arguments and run the A/B."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="code_edit", choices=sorted(prompts()))
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per step, at most")
+    parser.add_argument("--modes", nargs="+", default=["off", "pacer", "fixed:2"])
+    parser.add_argument("--baseline", type=Path, help="a draft_pacing.py for mode baseline")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()

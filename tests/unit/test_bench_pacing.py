@@ -1,0 +1,36 @@
+"""``ops/bench/pacing.py``'s modes without a model: a fixed pacer verifies every offered draft
+up to its length, and a baseline pacer comes from another checkout's file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from ops.bench.pacing import FixedPacer, baseline_pacer, speculator
+from services.worker import draft_pacing
+from services.worker.draft_pacing import DraftRecord
+
+
+def test_a_fixed_pacer_verifies_every_offer_up_to_its_length() -> None:
+    pacer = FixedPacer(4, 2)
+    offers = [(DraftRecord(), 1, 4), (DraftRecord(rest=9), 4, 1), (DraftRecord(), 2, 3)]
+    assert pacer.allot(offers, rows=64, tokens=64) == [2, 1, 2]  # whatever the step
+    assert pacer.due(DraftRecord(rest=9)) and not pacer.hopeless(DraftRecord(), rows=64, tokens=64)
+
+
+def test_a_baseline_pacer_is_the_class_in_the_file_given(tmp_path: Path) -> None:
+    source = Path(draft_pacing.__file__).read_text()
+    path = tmp_path / "draft_pacing.py"
+    path.write_text(source.replace("MIN_CHANCE = 0.8", "MIN_CHANCE = 0.5"))
+    pacer = baseline_pacer(path, 4)
+    assert type(pacer).__module__ == "baseline_draft_pacing" and pacer.MIN_CHANCE == 0.5
+    args = argparse.Namespace(k=4, baseline=path)
+    spec = speculator("baseline", args)
+    assert spec is not None and spec.pacer.MIN_CHANCE == 0.5
+    assert speculator("off", args) is None
+    fixed = speculator("fixed:3", args)
+    assert fixed is not None and isinstance(fixed.pacer, FixedPacer) and fixed.pacer.k == 3
+    with pytest.raises(SystemExit):
+        speculator("baseline", argparse.Namespace(k=4, baseline=None))
