@@ -128,7 +128,9 @@ q4x8_tile(const int mt, const int five, const int half, int64_t nb, int64_t K, c
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wg + b * (five ? Q5X8_BLOCK : Q4X8_BLOCK);
         const int8_t *x = xq + b * QK;
-        __m256i s16[MT], s32[MT];
+        __m256i s16[MT_MAX], s32[MT_MAX];
+        for (int t = 0; t < mt; t++) /* each set before it is read: for GCC's warnings */
+            s16[t] = s32[t] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i lo, hi;
             unpack_q(five, wb, j, &lo, &hi);
@@ -256,16 +258,16 @@ q4_groups(const int five, const int cols, int64_t g, int64_t M, int64_t N, int64
     const uint8_t *wg = wq + g * stride;
     const void *dg = scales_at(wd, g * nb * 8, half);
     const void *mg = wm ? scales_at(wm, g * nb * 8, half) : NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-        float out[MT][16];
+    for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
+        mt = tile_rows(M, m0);
+        float out[MT_MAX][16];
         const int8_t *x = xq + m0 * K;
         const float *d = xd + m0 * nb, *s = xs + m0 * nb;
 #if SL_AVX512_VNNI
         if (cols == 16) {
             const void *dh = scales_at(dg, nb * 8, half);
             const void *mh = mg ? scales_at(mg, nb * 8, half) : NULL;
-            __m512 acc[MT];
+            __m512 acc[MT_MAX];
             if (five)
                 DISPATCH_TILE(q4x16_tile, mt, 1, half, nb, K, wg, wg + stride, dg, dh, mg, mh, x, d,
                               s, acc)
@@ -277,7 +279,7 @@ q4_groups(const int five, const int cols, int64_t g, int64_t M, int64_t N, int64
 #endif
         {
 #if SL_AVX2
-            __m256 acc[MT];
+            __m256 acc[MT_MAX];
             if (five)
                 DISPATCH_TILE(q4x8_tile, mt, 1, half, nb, K, wg, dg, mg, x, d, s, acc)
             else

@@ -205,7 +205,7 @@ q8x8_tile(const int mt, const int sub16, const int half, int64_t nb, int64_t K, 
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *wb = wg + b * Q8X8_BLOCK, *x = xq + b * QK;
-        __m256i s32[MT];
+        __m256i s32[MT_MAX];
         for (int t = 0; t < mt; t++) s32[t] = _mm256_setzero_si256();
         q8x8_half(mt, K, wb, x, s32);
         if (sub16) { /* the first half's sums, scaled, before the second's */
@@ -297,9 +297,9 @@ q8_groups(const int sub16, const int cols, int64_t g, int64_t M, int64_t N, int6
     const int8_t *wg = wq + g * nb * Q8X8_BLOCK;
     const void *dg = scales_at(wd, g * nb * per_block, half);
     const void *mg = wm ? scales_at(wm, g * nb * 8, half) : NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-        float out[MT][16];
+    for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
+        mt = tile_rows(M, m0);
+        float out[MT_MAX][16];
 #if SL_AVX2
         const int8_t *x = xq + m0 * K;
         const float *d = xd + m0 * nb, *s = xs ? xs + m0 * nb : NULL;
@@ -309,7 +309,7 @@ q8_groups(const int sub16, const int cols, int64_t g, int64_t M, int64_t N, int6
             const int8_t *wh = wg + nb * Q8X8_BLOCK;
             const void *dh = scales_at(dg, nb * per_block, half);
             const void *mh = mg ? scales_at(mg, nb * 8, half) : NULL;
-            __m512 acc[MT];
+            __m512 acc[MT_MAX];
             if (sub16) {
                 DISPATCH_TILE(q8x16_tile, mt, 1, half, nb, K, wg, wh, dg, dh, mg, mh, x, d, s, acc)
             } else {
@@ -320,7 +320,7 @@ q8_groups(const int sub16, const int cols, int64_t g, int64_t M, int64_t N, int6
 #endif
         {
 #if SL_AVX2
-            __m256 acc[MT];
+            __m256 acc[MT_MAX];
             if (sub16) {
                 DISPATCH_TILE(q8x8_tile, mt, 1, half, nb, K, wg, dg, mg, x, d, s, acc)
             } else {
