@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import pairwise
 from statistics import median
 
@@ -62,21 +63,34 @@ class Price:
 
     def added(self, d: int) -> float:
         """What ``d`` draft rows add to the step."""
-        for (d0, a0), (d1, a1) in pairwise(self.points):
-            if d <= d1:
-                return a0 + (a1 - a0) * (d - d0) / (d1 - d0)
-        last, at = self.points[-1]
-        return at + self.slope() * (d - last)
+        return self.added_upto(d)[d]
 
+    def added_upto(self, n: int) -> list[float]:
+        """What 0, 1 .. ``n`` draft rows add to the step, in one pass over the points (a
+        step of hundreds of streams weighs as many counts)."""
+        out, segments = [0.0], pairwise(self.points)
+        (d0, a0), (d1, a1) = next(segments)
+        for d in range(1, n + 1):
+            while d > d1:
+                nxt = next(segments, None)
+                if nxt is None:
+                    d0, a0, d1, a1 = d1, a1, n + 1, a1 + self.slope * (n + 1 - d1)
+                    break
+                (d0, a0), (d1, a1) = nxt
+            out.append(a0 + (a1 - a0) * (d - d0) / (d1 - d0))
+        return out
+
+    @cached_property
     def slope(self) -> float:
         """What a row adds past the last measured point."""
         (d0, a0), (d1, a1) = self.points[-2:]
         return max((a1 - a0) / (d1 - d0), 0.0)
 
+    @cached_property
     def cheapest_row(self) -> float:
         """The least any one draft row adds, wherever it falls."""
         steps = ((a1 - a0) / (d1 - d0) for (d0, a0), (d1, a1) in pairwise(self.points))
-        return min(self.slope(), *steps)
+        return min(self.slope, *steps)
 
 
 class StepCost:
@@ -124,9 +138,12 @@ class StepCost:
         self.since: dict[int, int] = {}  # by rows: plain steps since the last drafted one
         self.stale: dict[int, int] = {}  # by rows: plain steps after which ``added`` is forgotten
         self.drafted: dict[int, int] = {}  # by rows: drafted steps since the last plain one
+        # by rows, until the next step is observed: a step asks once per sequence (``hopeless``)
+        self.priced: dict[int, Price] = {}
 
     def observe(self, seconds: float, rows: int, drafted: int) -> None:
         """Learn from a decode step of ``rows`` rows and ``drafted`` draft rows."""
+        self.priced.clear()
         if not drafted:
             self.plain.setdefault(rows, deque(maxlen=self.KEEP)).append(seconds)
             self.drafted[rows] = 0
@@ -154,6 +171,11 @@ class StepCost:
         end, and each new count would otherwise fall back to the prior, which on an AVX2 EPYC
         (Zen 3) put a three-row step at 5.5 units where it measured about 8: a copying stream's
         drafts were refused."""
+        if rows not in self.priced:
+            self.priced[rows] = self._price(rows)
+        return self.priced[rows]
+
+    def _price(self, rows: int) -> Price:
         if rows not in self.plain:
             return Price(self.BASE + rows, ((0, 0.0), (1, 1.0)))
         plain = median(self.plain[rows])
@@ -248,7 +270,7 @@ class DraftPacer:
         which costs ~20 us a sequence and step. Every length's shared estimate then drifts as
         an unused offer's does."""
         price = self.cost.price(rows)
-        floor, cheapest = self._floor(tokens), price.cheapest_row()
+        floor, cheapest = self._floor(tokens), price.cheapest_row
         for n in range(1, len(self.shared)):
             a = self.chance(record, n)
             if a > floor and a * price.plain > (1 + self.MARGIN) * tokens * cheapest:
@@ -280,13 +302,14 @@ class DraftPacer:
             chances.extend((a ** (j + 1), i) for j in range(length))
         chances.sort(key=lambda c: -c[0])
         price = self.cost.price(rows)
+        added = price.added_upto(len(chances))
         best, rows_kept, expected = tokens / price.plain, 0, float(tokens)
         for d, (chance, _) in enumerate(chances, start=1):
             if chance <= floor:
                 break
             expected += chance / (1 + self.MARGIN)
-            if expected / (price.plain + price.added(d)) > best:
-                best, rows_kept = expected / (price.plain + price.added(d)), d
+            if expected / (price.plain + added[d]) > best:
+                best, rows_kept = expected / (price.plain + added[d]), d
         for _, i in chances[:rows_kept]:
             keep[i] += 1
         for (_, n, _), kept in zip(offers, keep, strict=True):

@@ -136,7 +136,7 @@ def test_what_each_count_of_draft_rows_adds_is_kept_apart() -> None:
     assert [price.added(d) for d in (1, 2, 3, 4, 6)] == pytest.approx(
         [0.0044, 0.0068, 0.00895, 0.0111, 0.0154]
     )
-    assert price.cheapest_row() == pytest.approx(0.00215)
+    assert price.cheapest_row == pytest.approx(0.00215)
 
 
 def test_a_count_seldom_measured_never_prices_its_rows_above_more_rows() -> None:
