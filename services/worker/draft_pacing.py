@@ -71,13 +71,12 @@ class Price:
         out, segments = [0.0], pairwise(self.points)
         (d0, a0), (d1, a1) = next(segments)
         for d in range(1, n + 1):
-            while d > d1:
-                nxt = next(segments, None)
-                if nxt is None:
-                    d0, a0, d1, a1 = d1, a1, n + 1, a1 + self.slope * (n + 1 - d1)
-                    break
-                (d0, a0), (d1, a1) = nxt
-            out.append(a0 + (a1 - a0) * (d - d0) / (d1 - d0))
+            while d > d1 and (later := next(segments, None)) is not None:
+                (d0, a0), (d1, a1) = later
+            if d > d1:  # past the last point
+                out.append(a1 + self.slope * (d - d1))
+            else:
+                out.append(a0 + (a1 - a0) * (d - d0) / (d1 - d0))
         return out
 
     @cached_property
