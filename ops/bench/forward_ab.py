@@ -25,7 +25,7 @@ import torch
 
 from ops.bench.machine_load import emit
 from ops.bench.prefill_profile import build_from
-from services.worker.kv_cache import SeqRows, build_batch
+from ops.bench.row_cost import decode_batch, filled
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
@@ -46,26 +46,16 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [[int(n) for n in s.split(",")] for s in args.shapes]
     b = TorchBackend.load(Settings(threads=args.threads, max_batch=8), "smollm2", None)
-    cache, model, cpu = b.scheduler.cache, b.scheduler.model, torch.device("cpu")
+    cache, model = b.scheduler.cache, b.scheduler.model
     assert isinstance(model, QuantizedLlama), "the default model does not run on the kernels here"
     builds = {"this": model.kernels, "baseline": build_from(args.baseline)}
     builds["baseline"].compute_threads = model.kernels.compute_threads  # torch keeps one thread
-    size, seqs = cache.block_size, max(len(s) for s in shapes)
-    tables = [cache.extend([], (args.context + 8) // size + 1) for _ in range(seqs)]
     times: dict[tuple[str, str], list[float]] = {}
     with torch.inference_mode():
-        for i, table in enumerate(tables):  # each sequence's context, read as one prompt
-            ids = torch.randint(100, 10000, (args.context,))
-            model(
-                ids, build_batch([SeqRows(1000 + i, table, 0, args.context, 1)], size, cpu), cache
-            )
+        tables = filled(b, max(len(s) for s in shapes), args.context)
         for r in range(args.rounds):
             for shape in shapes:
-                spans = [
-                    SeqRows(1000 + i, tables[i], args.context, n, n) for i, n in enumerate(shape)
-                ]
-                batch = build_batch(spans, size, cpu)
-                ids = torch.randint(100, 10000, (sum(shape),))
+                ids, batch = decode_batch(b, tables, shape, args.context)
                 logits = {}
                 for name in list(builds) if r % 2 == 0 else list(builds)[::-1]:
                     model.kernels = builds[name]

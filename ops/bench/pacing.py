@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ops.bench.machine_load import emit
-from ops.bench.speculative import job, prompts, run
+from ops.bench.speculative import client_jobs, prompts, run
 from services.worker.draft_pacing import DraftPacer, DraftRecord, Offer
 from services.worker.speculation import Speculator
 from services.worker.torch_backend import TorchBackend
@@ -93,9 +93,8 @@ async def bench(args: argparse.Namespace) -> None:
     await b.start()
     try:
         text = prompts()[args.workload]
-        texts = [f"({i + 1}.0) {text}" for i in range(args.concurrency)]  # as speculative.py's
-        jobs = [[job(b, t, i, args.tokens)] for i, t in enumerate(texts)]
-        await run(b, [[job(b, t, 99, 1)] for t in texts])  # every prompt cached alike
+        jobs, reads = client_jobs(b, text, args.concurrency, 1, args.tokens)
+        await run(b, reads)
         specs = {mode: speculator(mode, args) for mode in args.modes}
         rates: dict[str, list[float]] = {mode: [] for mode in args.modes}
         drafted: dict[str, list[tuple[int, int]]] = {mode: [] for mode in args.modes}

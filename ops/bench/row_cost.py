@@ -21,11 +21,33 @@ from typing import Any
 import torch
 
 from ops.bench.machine_load import emit, load_probe
-from services.worker.kv_cache import SeqRows, build_batch
+from services.worker.kv_cache import AttentionBatch, SeqRows, build_batch
 from services.worker.torch_backend import TorchBackend
 from shared.config import Settings
 
 SHAPES = [[1], [2], [3], [4], [5], [1] * 2, [1] * 4, [2] * 4, [3] * 4, [5] * 4, [5, 1, 1, 1]]
+
+
+def filled(b: TorchBackend, seqs: int, context: int) -> list[list[int]]:
+    """``seqs`` sequences' block tables (ids 1000, 1001, ..), each holding ``context`` cached
+    tokens, read as one prompt."""
+    cache, size = b.scheduler.cache, b.scheduler.cache.block_size
+    tables = [cache.extend([], (context + 8) // size + 1) for _ in range(seqs)]
+    for i, table in enumerate(tables):
+        ids = torch.randint(100, 10000, (context,))
+        prompt = build_batch([SeqRows(1000 + i, table, 0, context, 1)], size, torch.device("cpu"))
+        b.scheduler.model(ids, prompt, cache)
+    return tables
+
+
+def decode_batch(
+    b: TorchBackend, tables: list[list[int]], shape: list[int], context: int
+) -> tuple[torch.Tensor, AttentionBatch]:
+    """Token ids and the batch of a step after ``context`` cached tokens (``filled``): sequence
+    ``i`` with ``shape[i]`` rows (a decode row and draft rows), logits for each."""
+    spans = [SeqRows(1000 + i, tables[i], context, n, n) for i, n in enumerate(shape)]
+    batch = build_batch(spans, b.scheduler.cache.block_size, torch.device("cpu"))
+    return torch.randint(100, 10000, (sum(shape),)), batch
 
 
 def main() -> None:
@@ -37,20 +59,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     b = TorchBackend.load(Settings(threads=args.threads, max_batch=8), "smollm2", None)
-    cache, model, cpu = b.scheduler.cache, b.scheduler.model, torch.device("cpu")
-    size = cache.block_size
-    tables = [cache.extend([], (args.context + 8) // size + 1) for _ in range(8)]
+    cache, model = b.scheduler.cache, b.scheduler.model
     measured: list[tuple[int, int, float]] = []  # (sequences, rows, median seconds)
     by_shape: dict[str, float] = {}
     with torch.inference_mode():
-        for i, table in enumerate(tables):  # each sequence's context, read as one prompt
-            ids = torch.randint(100, 10000, (args.context,))
-            prompt = build_batch([SeqRows(1000 + i, table, 0, args.context, 1)], size, cpu)
-            model(ids, prompt, cache)
+        tables = filled(b, 8, args.context)
         for shape in [*SHAPES, [1] * 8]:
-            spans = [SeqRows(1000 + i, tables[i], args.context, n, n) for i, n in enumerate(shape)]
-            batch = build_batch(spans, size, cpu)
-            ids = torch.randint(100, 10000, (sum(shape),))
+            ids, batch = decode_batch(b, tables, shape, args.context)
             times, load = [], dict[str, Any]()
             with load_probe([], load):
                 for _ in range(args.repeats):

@@ -72,6 +72,18 @@ def job(b: TorchBackend, text: str, i: int, tokens: int) -> Job:
     return Job.of(req, prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text)
 
 
+def client_jobs(
+    b: TorchBackend, text: str, clients: int, rounds: int, tokens: int
+) -> tuple[list[list[Job]], list[list[Job]]]:
+    """Each of ``clients`` clients' ``rounds`` jobs, back to back, on distinct prompts (a number
+    in front, so the streams share no prefix), and one-token jobs that read every prompt once:
+    run first, they leave each measured run finding the prompts cached alike (the first run
+    would otherwise be the only one to read them)."""
+    texts = [[f"({i + 1}.{r}) {text}" for r in range(rounds)] for i in range(clients)]
+    jobs = [[job(b, t, i, tokens) for t in ts] for i, ts in enumerate(texts)]
+    return jobs, [[job(b, t, 99, 1)] for ts in texts for t in ts]
+
+
 def from_prompt(clients: list[list[Job]], outputs: list[list[int]], n: int = 4) -> float:
     """The share of the answers' ``n``-grams of token ids that occur in their own prompts: near
     1 for a copy of the prompt's text (the code edit, the quote), low for fresh text."""
@@ -139,13 +151,8 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int], float]:
             if name not in args.workloads:
                 continue
             for c in args.concurrency:
-                # distinct prompts (a number in front), so C streams do not share one prefix;
-                # with --rounds R each stream sends R of them back to back
-                texts = [[f"({i + 1}.{r}) {text}" for r in range(args.rounds)] for i in range(c)]
-                jobs = [[job(b, t, i, args.tokens) for t in ts] for i, ts in enumerate(texts)]
-                # every prompt read once: each run then finds them cached alike (the first
-                # run would otherwise be the only one to read them)
-                await run(b, [[job(b, t, 99, 1)] for ts in texts for t in ts])
+                jobs, reads = client_jobs(b, text, c, args.rounds, args.tokens)
+                await run(b, reads)
                 rates: dict[str, list[float]] = {"off": [], "on": []}
                 outputs: dict[str, list[list[int]]] = {}
                 probes: list[dict[str, Any]] = []  # each run's load (machine_load.load_probe)
