@@ -8,9 +8,14 @@ alternate with the others' many times over one loaded model. Modes, each with it
 
 * ``off``: no speculator, the reference for every ratio;
 * ``pacer``: this checkout's ``DraftPacer``;
-* ``fixed:K``: every offered draft verified up to ``K`` tokens (no cost model, no rests);
+* ``fixed:K``: every offered draft verified up to ``K`` tokens (no cost model);
 * ``baseline``: the ``DraftPacer`` of ``--baseline FILE`` (another checkout's
-  ``services/worker/draft_pacing.py``, with the same interface).
+  ``services/worker/draft_pacing.py``, with the same interface; one from before sequences
+  stopped resting after rejected drafts, whose speculator asked ``due``, rests none here).
+
+With ``--warm WORKLOAD`` each speculator first runs another workload, untimed: a fresh story
+after a code edit starts from the match-length estimates copying taught the pacer, as it does in
+the speculative bench, which runs its workloads in that order on one worker.
 
 Rounds alternate the modes' order (forwards, then backwards). Prints, per mode, the median
 tokens/s (``ops.bench.speculative.run``'s measure), its ratio to the "off" median, each
@@ -46,9 +51,6 @@ class FixedPacer(DraftPacer):
     def __init__(self, max_n: int, k: int) -> None:
         super().__init__(max_n)
         self.k = k
-
-    def due(self, record: DraftRecord) -> bool:
-        return True
 
     def hopeless(self, record: DraftRecord, *, rows: int, tokens: int) -> bool:
         return False
@@ -96,6 +98,11 @@ async def bench(args: argparse.Namespace) -> None:
         jobs, reads = client_jobs(b, text, args.concurrency, 1, args.tokens)
         await run(b, reads)
         specs = {mode: speculator(mode, args) for mode in args.modes}
+        if args.warm:  # each speculator first learns from another workload, as a server's has
+            warm, _ = client_jobs(b, prompts()[args.warm], args.concurrency, 1, args.tokens)
+            for spec in specs.values():
+                b.scheduler.speculator = spec
+                await run(b, warm)
         rates: dict[str, list[float]] = {mode: [] for mode in args.modes}
         drafted: dict[str, list[tuple[int, int]]] = {mode: [] for mode in args.modes}
         first: list[list[int]] | None = None
@@ -140,6 +147,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step, at most")
     parser.add_argument("--modes", nargs="+", default=["off", "pacer", "fixed:2"])
     parser.add_argument("--baseline", type=Path, help="a draft_pacing.py for mode baseline")
+    parser.add_argument(
+        "--warm", choices=sorted(prompts()), help="a workload each pacer runs first, untimed"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     asyncio.run(bench(args))

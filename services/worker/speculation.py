@@ -122,7 +122,7 @@ class Speculator:
                 continue
             record = self._start(seq)
             self.pacer.settle(record, seq.tokens)
-            wanted = self.pacer.due(record) and not self.pacer.hopeless(record, **step)
+            wanted = not self.pacer.hopeless(record, **step)
             if not wanted and not self.pacer.probing(record, rows=step["rows"]):
                 continue
             draft = self._draft(seq, context_length)

@@ -15,9 +15,9 @@ from services.worker.draft_pacing import DraftRecord
 
 def test_a_fixed_pacer_verifies_every_offer_up_to_its_length() -> None:
     pacer = FixedPacer(4, 2)
-    offers = [(DraftRecord(), 1, 4), (DraftRecord(rest=9), 4, 1), (DraftRecord(), 2, 3)]
+    offers = [(DraftRecord(), 1, 4), (DraftRecord(), 4, 1), (DraftRecord(), 2, 3)]
     assert pacer.allot(offers, rows=64, tokens=64) == [2, 1, 2]  # whatever the step
-    assert pacer.due(DraftRecord(rest=9)) and not pacer.hopeless(DraftRecord(), rows=64, tokens=64)
+    assert not pacer.hopeless(DraftRecord(), rows=64, tokens=64)
 
 
 def test_a_baseline_pacer_is_the_class_in_the_file_given(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """``DraftPacer`` alone: how many tokens of each offered draft a step verifies, and what it
-learns from verified drafts (per sequence and, shared, per match length), with rests after
-wholly rejected drafts, and from drafts it did not verify, checked against the tokens then
-chosen; ``StepCost``: what draft rows add to a step, as measured."""
+learns from verified drafts (per sequence and, shared, per match length) and from drafts it
+did not verify, checked against the tokens then chosen; ``StepCost``: what draft rows add to
+a step, as measured."""
 
 from __future__ import annotations
 
@@ -68,26 +68,21 @@ def test_an_unused_length_drifts_back_to_its_prior_to_be_tried_again() -> None:
     assert low < pacer.shared[3] < pacer.prior[3] and 20 < steps < 2000
 
 
-def test_wholly_rejected_drafts_rest_the_sequence_longer_each_time() -> None:
+def test_a_wholly_rejected_draft_lowers_the_estimate_and_the_cost_decides_the_next() -> None:
+    """No rest after a miss: a copying sequence whose draft the model departs from (a rename)
+    drafts again the next step, while one whose drafts keep failing stops once its estimate
+    no longer pays for a row."""
     pacer = DraftPacer(4)
-    record = DraftRecord()
-
-    def rests() -> int:
-        n = 0
-        while not pacer.due(record):
-            n += 1
-        return n
-
-    lengths = []
-    for _ in range(7):
-        pacer.learn(record, 4, 2, 0)
-        lengths.append(rests())
-    assert lengths == [1, 3, 7, 15, 31, 31, 31]
-    before = record.estimates[4]
-    pacer.learn(record, 4, 2, 2)  # accepted: no rest
-    assert rests() == 0 and record.misses == 0 and record.estimates[4] > before
-    pacer.learn(record, 4, 2, 0)
-    assert rests() == 1
+    copying = DraftRecord(estimates={4: 0.95})
+    pacer.learn(copying, 4, 4, 0)  # 0.95 -> 0.665
+    assert decode_step(pacer, [(copying, 4, 4)]) == [2]
+    failing, drafts = DraftRecord(estimates={4: 0.95}), []
+    for _ in range(8):
+        [d] = decode_step(pacer, [(failing, 4, 4)])
+        drafts.append(d)
+        if d:
+            pacer.learn(failing, 4, d, 0)
+    assert drafts == [4, 2, 1, 0, 0, 0, 0, 0]
 
 
 def test_a_sequence_that_cannot_draft_a_row_worth_it_is_not_searched() -> None:
@@ -269,10 +264,9 @@ def test_an_unverified_draft_is_checked_against_the_tokens_then_chosen() -> None
     assert record.shadow is not None and record.estimates[4] == 0.3
     pacer.settle(record, [*tokens, 7, 8])  # all four matched: four accepted tokens
     assert record.shadow is None and record.estimates[4] == pytest.approx(1 - 0.7 * 0.7**4)
-    assert record.rest == 0 and record.misses == 0
     pacer.shadow(record, 4, [5, 6], at=3)
-    pacer.settle(record, [1, 2, 3, 9])  # rejected at once: learned, but no rest (no row paid)
-    assert record.estimates[4] < 0.8 and record.rest == 0 and record.misses == 0
+    pacer.settle(record, [1, 2, 3, 9])  # rejected at once: learned
+    assert record.estimates[4] < 0.8
 
 
 def test_a_sequence_that_does_not_draft_looks_for_one_every_few_steps() -> None:

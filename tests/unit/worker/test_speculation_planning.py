@@ -125,7 +125,7 @@ def test_the_step_and_the_match_set_the_length() -> None:
     assert drafts([{4: 0.95, 1: 0.1}]) == [4] and drafts([{4: 0.1, 1: 0.95}]) == [0]
 
 
-def test_misses_make_a_sequence_rest_and_hits_lengthen_its_drafts() -> None:
+def test_a_miss_shortens_the_next_draft_and_hits_lengthen_them() -> None:
     p, s = decoding(REPEAT)
     spec = Speculator(4, max_n=1)  # every draft continues a 1-gram: one estimate to follow
     s.pace = DraftRecord(estimates={1: 0.7})
@@ -144,12 +144,13 @@ def test_misses_make_a_sequence_rest_and_hits_lengthen_its_drafts() -> None:
             spec.verified(s, accept, p)
         return n
 
-    assert one_step(0, 9) == 3  # two draft tokens (a 0.7 estimate), both rejected: 0.49
-    assert one_step(0, 1) == 1  # rests one step, then halfway to the shared 1-gram 0.19: 0.34
+    assert one_step(0, 1) == 3  # two draft tokens (a 0.7 estimate), both rejected: 0.49
+    assert one_step(0, 9) == 2  # no rest: "1" matches, so the next step drafts, one token
+    assert one_step(0, 1) == 1  # rejected (0.34), and "9" matches nothing: no draft
     widths = [one_step(-1, 5) - 1 for _ in range(5)]  # each accepted in full
     assert widths == [1, 1, 2, 3, 4]  # the estimate climbs with each, up to k
     assert one_step(1, 9) == 5 and one_step(-1, 5) == 3  # a miss after one token: 0.7 again
-    assert spec.stats.drafts == 8 and spec.stats.accepted_tokens == 11 + 1 + 2
+    assert spec.stats.drafts == 9 and spec.stats.accepted_tokens == 11 + 1 + 2
 
 
 def test_the_step_cost_learns_from_decode_steps_alone() -> None:
@@ -160,7 +161,7 @@ def test_the_step_cost_learns_from_decode_steps_alone() -> None:
     spec.propose(p.plan(), p, context_length=1024)  # one row and four draft rows
     spec.observe(0.009)
     assert spec.pacer.cost.plain == {} and spec.pacer.cost.added == {}  # nothing to set it against
-    s.pace = DraftRecord(rest=5)  # resting: a plain step
+    s.pace = DraftRecord(estimates=dict.fromkeys(range(1, 5), 0.01))  # no draft: a plain step
     spec.propose(p.plan(), p, context_length=1024)
     spec.observe(0.005)
     assert list(spec.pacer.cost.plain[1]) == [0.005]
