@@ -8,6 +8,7 @@ alternate with the others' many times over one loaded model. Modes, each with it
 
 * ``off``: no speculator, the reference for every ratio;
 * ``pacer``: this checkout's ``DraftPacer``;
+* ``pacer:K``: the same, with drafts of up to ``K`` tokens (``--k``: the others' most);
 * ``fixed:K``: every offered draft verified up to ``K`` tokens (no cost model);
 * ``baseline``: the ``DraftPacer`` of ``--baseline FILE`` (another checkout's
   ``services/worker/draft_pacing.py``, with the same interface; one from before sequences
@@ -73,9 +74,12 @@ def speculator(mode: str, args: argparse.Namespace) -> Speculator | None:
     """A fresh speculator for ``mode`` (None for "off")."""
     if mode == "off":
         return None
+    name, _, k = mode.partition(":")
+    if name == "pacer" and k:  # this checkout's pacer, drafting up to k tokens
+        return Speculator(int(k))
     spec = Speculator(args.k)
-    if mode.startswith("fixed:"):
-        spec.pacer = FixedPacer(spec.max_n, int(mode.split(":", 1)[1]))
+    if name == "fixed":
+        spec.pacer = FixedPacer(spec.max_n, int(k))
     elif mode == "baseline":
         if args.baseline is None:
             raise SystemExit("mode baseline needs --baseline FILE")

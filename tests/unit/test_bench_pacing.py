@@ -32,5 +32,8 @@ def test_a_baseline_pacer_is_the_class_in_the_file_given(tmp_path: Path) -> None
     assert speculator("off", args) is None
     fixed = speculator("fixed:3", args)
     assert fixed is not None and isinstance(fixed.pacer, FixedPacer) and fixed.pacer.k == 3
+    assert fixed.k == 4  # the speculator's most: --k
+    longer = speculator("pacer:8", args)
+    assert longer is not None and longer.k == 8 and type(longer.pacer) is draft_pacing.DraftPacer
     with pytest.raises(SystemExit):
         speculator("baseline", argparse.Namespace(k=4, baseline=None))
