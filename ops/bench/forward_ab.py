@@ -9,7 +9,6 @@ under both builds. Prints, per shape, each build's median and the speedup. Run i
 ``--baseline services/worker/kernels`` (the same sources) to see the offset between the loaded
 build and a second copy: on an AVX2 EPYC the loaded one measured 0.95-0.975x its copy.
 
-
     .venv/bin/python -m ops.bench.forward_ab --baseline /tmp/old/services/worker/kernels \\
         --context 900 --rounds 31 --shapes 1 5 1,1,1,1 2,1,1,1 2,2,2,2
 """

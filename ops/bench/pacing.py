@@ -100,13 +100,14 @@ async def bench(args: argparse.Namespace) -> None:
     try:
         text = prompts()[args.workload]
         jobs, reads = client_jobs(b, text, args.concurrency, 1, args.tokens)
-        await run(b, reads)
         specs = {mode: speculator(mode, args) for mode in args.modes}
         if args.warm:  # each speculator first learns from another workload, as a server's has
             warm, _ = client_jobs(b, prompts()[args.warm], args.concurrency, 1, args.tokens)
-            for spec in specs.values():
-                b.scheduler.speculator = spec
-                await run(b, warm)
+            for learner in specs.values():
+                if learner is not None:  # "off" has nothing to learn
+                    b.scheduler.speculator = learner
+                    await run(b, warm)
+        await run(b, reads)  # after the warm-up, whose prompts could evict these
         rates: dict[str, list[float]] = {mode: [] for mode in args.modes}
         drafted: dict[str, list[tuple[int, int]]] = {mode: [] for mode in args.modes}
         first: list[list[int]] | None = None
