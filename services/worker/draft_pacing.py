@@ -208,10 +208,15 @@ class DraftPacer:
     # times of a batch's sequences (one that drafts ends first, and the rest run in a smaller,
     # less efficient batch), and a near-even bet is not worth the measurement's noise.
     MARGIN = 0.15
-    # ... and, beside other streams, be accepted at least this often however cheap rows are.
-    # In a batch that nothing waits to join, a token accepted for a stream that does not end
-    # the run saves no step: that stream ends sooner and the run goes on in a smaller batch,
-    # which saves about one row per step, what the draft row cost. Only copying pays there. On
+    # ... and, beside streams that offer no draft, be accepted at least this often however
+    # cheap rows are. In a batch that nothing waits to join, a token accepted for a stream that
+    # does not end the run saves no step: that stream ends sooner and the run goes on in a
+    # smaller batch, which saves about one row per step, what the draft row cost. Only copying
+    # pays there. Where every stream of the step offers one, the batch moves on together and
+    # the cost alone decides: after the model departs from its source, copying streams' drafts
+    # (estimates 0.65-0.8) wait for no bar (on a Zen 4 EPYC a four-stream code edit ran
+    # 1.36-1.43x against 1.28-1.34x with the bar everywhere, as fast as verifying every offer,
+    # in one process; the story was unchanged). On
     # torch's fp32 model (a row a thirtieth of a step) a four-stream story drafting at 30 %
     # ran 0.87-0.91x. On an AVX2 EPYC (Zen 3), with drafts checked even where not verified
     # (``settle``), a four-stream story drafting at 73 % ran 0.91-0.92x with a bar of one
@@ -251,14 +256,15 @@ class DraftPacer:
         """Whether no draft of the sequence can be worth a row in a step of ``rows`` rows and
         ``tokens`` tokens: ``allot`` would keep none of its rows, wherever they fell among the
         step's (its best chance, discounted by ``MARGIN``, does not beat the plain step's
-        tokens per time at the cheapest a row comes), so the sequence need not look for one,
-        which costs ~20 us a sequence and step. Every length's shared estimate then drifts as
-        an unused offer's does."""
+        tokens per time at the cheapest a row comes; ``MIN_CHANCE`` is not asked, as it depends
+        on the others' offers), so the sequence need not look for one, which costs ~20 us a
+        sequence and step. Every length's shared estimate then drifts as an unused offer's
+        does."""
         price = self.cost.price(rows)
-        floor, cheapest = self._floor(tokens), price.cheapest_row
+        cheapest = price.cheapest_row
         for n in range(1, len(self.shared)):
             a = self.chance(record, n)
-            if a > floor and a * price.plain > (1 + self.MARGIN) * tokens * cheapest:
+            if a * price.plain > (1 + self.MARGIN) * tokens * cheapest:
                 return False
         for n in range(1, len(self.shared)):
             self._unused(n)
@@ -275,12 +281,13 @@ class DraftPacer:
         step's (``StepCost.price``: what so many draft rows add, as measured). So a large batch
         keeps only drafts likely to be accepted, a lone stream drafts on weaker evidence, and
         rows whose first is dear (a weight pass of its own) are verified when enough of them
-        share it. Every ``StepCost.REFRESH`` drafted steps the step is plain instead.
+        share it. Beside a stream that offers none, a row also needs ``MIN_CHANCE``. Every
+        ``StepCost.REFRESH`` drafted steps the step is plain instead.
         """
         keep = [0] * len(offers)
         if self.cost.refresh(rows):
             return keep
-        floor = self._floor(tokens)
+        floor = self._floor(tokens, len(offers))
         chances: list[tuple[float, int]] = []  # (a draft token's chance, its offer)
         for i, (record, n, length) in enumerate(offers):
             a = self.chance(record, n)
@@ -302,9 +309,10 @@ class DraftPacer:
                 self._unused(n)
         return keep
 
-    def _floor(self, tokens: int) -> float:
-        """The least chance a draft row needs in a step choosing ``tokens`` tokens."""
-        return self.MIN_CHANCE if tokens > 1 else 0.0
+    def _floor(self, tokens: int, offers: int) -> float:
+        """The least chance a draft row needs in a step choosing ``tokens`` tokens, ``offers``
+        of whose sequences offer a draft: ``MIN_CHANCE`` only beside streams without one."""
+        return self.MIN_CHANCE if offers < tokens else 0.0
 
     def _unused(self, n: int) -> None:
         """An offer continuing an ``n``-gram was not worth a row: that length's shared estimate
@@ -314,7 +322,8 @@ class DraftPacer:
     def probing(self, record: DraftRecord, *, rows: int) -> bool:
         """Whether a sequence that does not draft this step, of ``rows`` rows, looks for a
         draft to check later (``shadow``): every ``PROBE`` steps (every ``rows / PROBE`` in a
-        larger step), while no looked-at draft is outstanding."""
+        larger step), and on the step after a rejected draft (``learn``), while no looked-at
+        draft is outstanding."""
         if record.shadow is not None:
             return False
         record.probe -= 1
@@ -339,7 +348,9 @@ class DraftPacer:
         model at four streams: 4 to 644 draft tokens verified in runs of the same jobs, 1.03x
         the plain rate against 1.18x for a fixed one-token draft). For a draw, a draft token is
         matched with the probability it would be accepted with (its probability under the
-        model), so the estimate stays unbiased."""
+        model), so the estimate stays unbiased. Matched tokens are learned as they are chosen,
+        not once the whole draft is: a sequence that copies again after a rejection earns back a
+        row a step sooner."""
         if record.shadow is None:
             return
         n, draft, at = record.shadow
@@ -348,7 +359,11 @@ class DraftPacer:
         while accepted < len(chosen) and chosen[accepted] == draft[accepted]:
             accepted += 1
         if accepted == len(chosen) < len(draft):
-            return  # every token so far matches: the rest are yet to be chosen
+            # every token so far matches: those are learned now, the rest once chosen
+            if accepted:
+                self.learn(record, n, accepted, accepted)
+                record.shadow = (n, draft[accepted:], at + accepted)
+            return
         record.shadow = None
         self.learn(record, n, len(draft), accepted)
 
@@ -363,10 +378,18 @@ class DraftPacer:
         third of its steps resting, and ran 1.74x the plain rate with rests against 1.89x
         without (1.98x with every draft verified at four tokens), in one process. A story after
         a code edit drafts more without them (70 draft tokens a run against 35, 22 % accepted)
-        and ran 0.98x against 1.00x, within the spread of its runs."""
+        and ran 0.98x against 1.00x, within the spread of its runs. A rejection also makes the
+        sequence look for a draft on the next step even if none would be verified (``probing``):
+        one that then matches is learned token by token (``settle``), which lifts a copying
+        sequence's estimate back over a batch's bar within a step or two. A looked-at draft
+        still outstanding is kept: tokens it shares with verified ones count twice, which lifts
+        the estimate faster as copying resumes (dropping it ran a lone code edit 1.7 % slower
+        on a Zen 4 EPYC, in one process)."""
         outcomes = [1.0] * accepted + ([0.0] if accepted < drafted else [])
         mine = self.chance(record, n)
         for x in outcomes:
             mine += self.RATE * (x - mine)
             self.shared[n] += self.SHARED_RATE * (x - self.shared[n])
         record.estimates[n] = mine
+        if accepted < drafted:
+            record.probe = 0

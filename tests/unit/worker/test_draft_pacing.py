@@ -24,9 +24,12 @@ def test_a_row_is_kept_while_its_chance_beats_the_steps_tokens_per_cost() -> Non
     assert decode_step(pacer, [(DraftRecord(), 4, 4)]) == [3]
     assert decode_step(pacer, [(DraftRecord(), 2, 4)]) == [1]  # prior 0.4
     assert decode_step(pacer, [(DraftRecord(), 1, 4)]) == [0]  # prior 0.2: never worth a row
-    # beside other streams a fresh match (0.8) is not enough: it needs better odds, which its
-    # drafts checked against what it chooses (``settle``) teach it for no row
-    assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(4)]) == [0] * 4
+    # beside a stream that offers no draft a fresh match (0.8) is not enough: it needs better
+    # odds, which its drafts checked against what it chooses (``settle``) teach it for no row
+    assert pacer.allot([(DraftRecord(), 4, 4)] * 3, rows=4, tokens=4) == [0] * 3
+    # where every stream offers one, the cost alone decides: at four streams a row is 1 of 6.5
+    # units (0.70 tokens for 4 / 6.5 = 0.62 a unit), at sixteen 1 of 18.5 (16 / 18.5 = 0.86)
+    assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(4)]) == [1] * 4
     assert decode_step(pacer, [(DraftRecord(), 4, 4) for _ in range(16)]) == [0] * 16
     copying = DraftRecord(estimates={4: 0.95})
     assert decode_step(pacer, [(copying, 4, 4)]) == [4]
@@ -94,8 +97,9 @@ def test_a_sequence_that_cannot_draft_a_row_worth_it_is_not_searched() -> None:
     for n in (1, 4, 16):
         offers = [(fresh, m, 4) for m in range(1, 5)]
         none_kept = not any(pacer.allot(offers, rows=n, tokens=n))
-        # beside other streams a fresh match (at most 0.8) is not enough
-        assert pacer.hopeless(fresh, rows=n, tokens=n) == none_kept == (n > 1)
+        # a fresh match (at most 0.8) pays for a row where every stream offers one (four), not
+        # at sixteen rows' price
+        assert pacer.hopeless(fresh, rows=n, tokens=n) == none_kept == (n == 16)
         # even a copying sequence: a row at 0.95 would not beat 1.15 x 16 / 18.5
         assert pacer.hopeless(copying, rows=n, tokens=n) == (n == 16)
     for _ in range(40):
@@ -196,18 +200,26 @@ def test_rows_whose_first_is_dear_are_verified_when_enough_share_it() -> None:
     assert decode_step(pacer, [copying] * 4) == [1] * 4
 
 
-def test_beside_other_streams_a_row_needs_a_copying_chance_however_cheap() -> None:
+def test_beside_streams_without_drafts_a_row_needs_a_copying_chance_however_cheap() -> None:
     pacer = DraftPacer(4)
     for rows in (1, 4):  # rows cost a thirtieth of a step (torch's fp32 model)
         for _ in range(3):
             pacer.cost.observe(0.090, rows=rows, drafted=0)
             pacer.cost.observe(0.093, rows=rows, drafted=1)
     weak = DraftRecord(estimates=dict.fromkeys(range(1, 5), 0.45))
-    assert decode_step(pacer, [(weak, 4, 4)] * 4) == [0] * 4
-    assert pacer.hopeless(weak, rows=4, tokens=4)
+    # beside a fourth stream that offers none
+    assert pacer.allot([(weak, 4, 4)] * 3, rows=4, tokens=4) == [0] * 3
     # a copying sequence's: rows while the chance is above 0.8 (0.9, 0.81, not 0.729)
-    assert decode_step(pacer, [(DraftRecord(estimates={4: 0.9}), 4, 4)] * 4) == [2] * 4
-    assert decode_step(pacer, [(weak, 4, 4)]) == [3]  # alone (no batch to spread): cost decides
+    copying = DraftRecord(estimates={4: 0.9})
+    assert pacer.allot([(copying, 4, 4)] * 3, rows=4, tokens=4) == [2] * 3
+    assert pacer.allot([(copying, 4, 4), (weak, 4, 4)], rows=4, tokens=4) == [2, 0]
+    # alone (no batch to spread), or where every stream offers one (the batch moves on
+    # together): the cost decides, 0.45 ** 3 = 0.09 tokens for a thirtieth of the step paying
+    # beside one token, not beside four
+    assert decode_step(pacer, [(weak, 4, 4)]) == [3]
+    assert decode_step(pacer, [(weak, 4, 4)] * 4) == [2] * 4
+    # so whether it drafts depends on the others' offers: it looks for one
+    assert not pacer.hopeless(weak, rows=4, tokens=4)
 
 
 def test_a_row_cost_not_measured_for_a_hundred_plain_steps_is_forgotten() -> None:
@@ -260,13 +272,33 @@ def test_an_unverified_draft_is_checked_against_the_tokens_then_chosen() -> None
     pacer.shadow(record, 4, [5, 6, 7, 8], at=3)
     pacer.shadow(record, 2, [9], at=3)  # one outstanding at a time: the first is kept
     tokens = [1, 2, 3, 5, 6]
-    pacer.settle(record, tokens)  # two tokens chosen so far, both the draft's: undecided
-    assert record.shadow is not None and record.estimates[4] == 0.3
+    pacer.settle(record, tokens)  # two tokens chosen so far, both the draft's: learned now
+    assert record.shadow == (4, [7, 8], 5)
+    assert record.estimates[4] == pytest.approx(1 - 0.7 * 0.7**2)
+    pacer.settle(record, tokens)  # nothing new chosen: nothing learned twice
+    assert record.estimates[4] == pytest.approx(1 - 0.7 * 0.7**2)
     pacer.settle(record, [*tokens, 7, 8])  # all four matched: four accepted tokens
     assert record.shadow is None and record.estimates[4] == pytest.approx(1 - 0.7 * 0.7**4)
     pacer.shadow(record, 4, [5, 6], at=3)
     pacer.settle(record, [1, 2, 3, 9])  # rejected at once: learned
     assert record.estimates[4] < 0.8
+
+
+def test_a_rejected_draft_makes_the_sequence_look_again_on_the_next_step() -> None:
+    """After the model departs from a copied source, a sequence whose estimate fell under the
+    step's bar looks for a draft at once rather than at its next probe, and learns from it as
+    its tokens are chosen: copying usually resumes a step or two later."""
+    pacer = DraftPacer(4)
+    record = DraftRecord(estimates={4: 0.95})
+    assert pacer.probing(record, rows=4)  # looks, then waits PROBE steps
+    assert not pacer.probing(record, rows=4)
+    pacer.learn(record, 4, 3, 1)  # a verified draft, rejected at its second token
+    assert pacer.probing(record, rows=4)
+    pacer.shadow(record, 4, [5, 6, 7], at=3)
+    pacer.settle(record, [1, 2, 3, 9])  # the looked-at draft is rejected too: look again
+    assert record.shadow is None and pacer.probing(record, rows=4)
+    pacer.learn(record, 4, 2, 2)  # wholly accepted: no hurry
+    assert not pacer.probing(record, rows=4)
 
 
 def test_a_sequence_that_does_not_draft_looks_for_one_every_few_steps() -> None:

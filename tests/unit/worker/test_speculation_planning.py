@@ -184,7 +184,7 @@ def test_the_step_cost_learns_from_decode_steps_alone() -> None:
 def test_a_sequence_given_up_on_drafts_again_once_it_copies() -> None:
     """A sequence whose drafts failed (estimates far below the step's bar) drafts no row, but
     still looks for a draft every few steps and checks it against the tokens it then chooses:
-    once it copies, its estimate climbs back and it drafts again."""
+    once it copies, its estimate climbs back and it drafts again, from the next step."""
     p, s = decoding(REPEAT, acceptance=0.1)
     spec = Speculator(4)
     widths = []
@@ -198,6 +198,7 @@ def test_a_sequence_given_up_on_drafts_again_once_it_copies() -> None:
             s.generated += 1
         if drafted:
             spec.verified(s, len(drafted), p)
-    # looked at step 0 ([2, 3, 4, 5]), checked once those four were chosen: 0.1 -> 0.78
-    assert widths[:4] == [0] * 4 and all(w > 0 for w in widths[4:])
+    # looked at step 0 ([2, 3, 4, 5]) and learned token by token as they are chosen: 0.1 ->
+    # 0.37 the next step, when a row already pays, then 0.78 (a verified token counted too)
+    assert widths == [0, 1, 3, 4, 4, 4, 4, 3]  # the last within max_new
     assert spec.stats.draft_tokens == spec.stats.accepted_tokens > 0
