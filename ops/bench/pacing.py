@@ -92,7 +92,9 @@ def speculator(mode: str, args: argparse.Namespace) -> Speculator | None:
 async def bench(args: argparse.Namespace) -> None:
     """Run every mode ``args.rounds`` times on the same jobs and print each mode's summary."""
     b = TorchBackend.load(
-        Settings(threads=args.threads, max_batch=args.concurrency, speculative=True),
+        Settings(
+            threads=args.threads, max_batch=args.concurrency, speculative=True, dtype=args.dtype
+        ),
         "smollm2",
         None,
     )
@@ -152,6 +154,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step, at most")
     parser.add_argument("--modes", nargs="+", default=["off", "pacer", "fixed:2"])
     parser.add_argument("--baseline", type=Path, help="a draft_pacing.py for mode baseline")
+    parser.add_argument("--dtype", default="auto", help="SLUICE_DTYPE (float32: torch's model)")
     parser.add_argument(
         "--warm", choices=sorted(prompts()), help="a workload each pacer runs first, untimed"
     )
