@@ -216,13 +216,11 @@ class DraftPacer:
     # the cost alone decides: after the model departs from its source, copying streams' drafts
     # (estimates 0.65-0.8) wait for no bar (on a Zen 4 EPYC a four-stream code edit ran
     # 1.36-1.43x against 1.28-1.34x with the bar everywhere, as fast as verifying every offer,
-    # in one process; the story was unchanged). On
-    # torch's fp32 model (a row a thirtieth of a step) a four-stream story drafting at 30 %
-    # ran 0.87-0.91x. On an AVX2 EPYC (Zen 3), with drafts checked even where not verified
-    # (``settle``), a four-stream story drafting at 73 % ran 0.91-0.92x with a bar of one
-    # half and 0.97x with this one, while the code edit, copying at 85-100 %, kept its 1.2x
-    # (the speculative bench then still measured the story at 0.90-0.93x: its drafts that
-    # clear this bar, 83 % accepted, lose too). A lone stream has no batch to spread.
+    # in one process; the story was unchanged; on torch's fp32 model, a row a thirtieth of a
+    # step, the code edit ran 2.69x against 2.00x and the story 1.07x against 0.97x). With no
+    # bar at all, on an AVX2 EPYC (Zen 3) a four-stream story drafting at 73 % ran 0.91-0.92x
+    # with a bar of one half and 0.97x with this one, and on torch's model one drafting at
+    # 30 % ran 0.87-0.91x. A lone stream has no batch to spread.
     MIN_CHANCE = 0.8
     # The chance before anything is known, by match length n: 0.2 n up to 0.8 (measured on
     # the default model: 1-gram drafts 0-19 % accepted, 2-grams 0-50 %, 4-grams 91-100 %). A
