@@ -57,6 +57,7 @@ from services.worker.kernels.abi import (
     Model,
     Scratch,
 )
+from services.worker.kernels.tiles import tune_tiles
 
 __all__ = [
     "MIRRORS",
@@ -186,6 +187,8 @@ class Kernels:
                 )
         self.vectorized = bool(self.lib.sl_vectorized())
         self.isa: str = self.lib.sl_isa().decode()  # avx512vnni(+amx), avx2+vnni, avx2 or scalar
+        # activation rows up to which the interleaved GEMMs take 8-row tiles (tiles.tune_tiles)
+        self.narrow_rows = 1
         self.prefill_threads = 0  # SLUICE_PREFILL_THREADS (0: threads())
         # The worker's thread count, where it leaves torch one thread (TorchBackend.load).
         self.compute_threads = 0
@@ -243,7 +246,11 @@ def load(directory: Path | None = None) -> Kernels | None:
             _tried = True
             try:
                 _loaded = Kernels(build(directory=directory))
-                log.info("sluice CPU kernels: %s", _loaded.isa)
+                _loaded.narrow_rows = tune_tiles(_loaded)
+                log.info(
+                    "sluice CPU kernels: %s, 8-row GEMM tiles up to %d activation rows",
+                    _loaded.isa, _loaded.narrow_rows,
+                )  # fmt: skip
             except (OSError, RuntimeError) as exc:
                 log.warning("sluice CPU kernels unavailable, using torch's int4 kernels: %s", exc)
         return _loaded

@@ -34,6 +34,7 @@ _P, _I, _F = c_void_p, c_int64, c_float
 SIGNATURES: dict[str, list[type]] = {
     "sl_vectorized": [],
     "sl_isa": [],
+    "sl_set_narrow_rows": [c_int],
     "sl_sizeof": [ctypes.c_char_p],
     "sl_quantize": [_P, _I, _I, _P, _P, _P, c_int],
     "sl_rmsnorm_quantize": [_P, _P, _F, _I, _I, _P, _P, _P, _P, c_int],

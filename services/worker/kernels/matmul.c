@@ -4,6 +4,10 @@
 
 int sl_vectorized(void) { return SL_AVX2 ? (SL_AVX512_VNNI ? 2 : 1) : 0; }
 
+int sl_narrow_rows = 1;
+
+void sl_set_narrow_rows(int rows) { sl_narrow_rows = rows < 1 ? 1 : rows; }
+
 const char *sl_isa(void) {
     if (SL_AVX512_VNNI) return amx_usable() ? "avx512vnni+amx" : "avx512vnni";
     if (SL_VNNI) return "avx2+vnni";

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.kernels import Kernels
+from services.worker.kernels.tiles import tune_tiles
 from services.worker.models.kernel_llama import (
     Activations,
     PackedLinear,
@@ -236,6 +237,38 @@ def test_gemm_q4_1_on_grid_equals_float_math(k: Kernels, m: int) -> None:
     y = torch.full((m, n), float("nan"))
     _gemm_q4_1(k, a, nibbles, d, mn, None, y, accumulate=False)
     _assert_matmul(y, x, w)
+
+
+def test_gemm_tiles_of_8_and_16_weight_rows_give_the_same_bits(k: Kernels) -> None:
+    """Which tile serves how many activation rows is measured per machine (``tune_tiles``),
+    so it must never change a bit: every row count (one tile, several, a remainder; an odd
+    last weight group) with 8-row tiles throughout, 16-row ones from two rows, and a switch
+    in between."""
+    n, kk = 40, 256
+    _, d, mn, nibbles, _ = _q4_1_grid(n, kk, seed=90)
+    try:
+        for m in range(1, 19):
+            a = _activations(m, kk, seed=100 + m)
+            outputs = []
+            for narrow in (1, 5, 18):
+                k.lib.sl_set_narrow_rows(narrow)
+                y = torch.full((m, n), float("nan"))
+                _gemm_q4_1(k, a, nibbles, d, mn, None, y, accumulate=False)
+                outputs.append(y)
+            assert all(torch.equal(outputs[0], y) for y in outputs[1:]), m
+    finally:
+        k.lib.sl_set_narrow_rows(k.narrow_rows)
+
+
+def test_the_tile_crossover_is_measured_on_avx512_builds_only(k: Kernels) -> None:
+    try:
+        rows = tune_tiles(k)
+    finally:
+        k.lib.sl_set_narrow_rows(k.narrow_rows)
+    if k.isa.startswith("avx512"):
+        assert 1 <= rows <= 16  # where the 16-row tile starts to win depends on the CPU
+    else:
+        assert rows == 1  # only the 8-row tile exists
 
 
 @pytest.mark.parametrize("m", [1, 4, 7])
