@@ -342,10 +342,11 @@ static inline int tile_rows(int64_t M, int64_t m0) {
 /* Weight groups (eight interleaved rows each) per tile of the interleaved GEMMs (matmul.c, q8.c):
  * two, on 512-bit vectors, past sl_narrow_rows activation rows (sl_set_narrow_rows). One row
  * reads each weight once either way, and memory bounds it: there the 8-row tile measured faster.
- * How many more rows it stays faster for depends on the CPU: none on a Cascade Lake Xeon, whose
- * 512-bit units are whole; on a Zen 4 EPYC, which runs a 512-bit instruction as two 256-bit
- * halves, up to eight (two to five rows' forwards 15-19 % faster), while prompt chunks still gain
- * from the 16-row tile. The bits are the same either way. */
+ * How many more rows it stays faster for depends on the CPU: on a Cascade Lake Xeon, whose
+ * 512-bit units are whole, the 16-row tile ran four to eight rows' steps 1.14-1.33x as fast; on a
+ * Zen 4 EPYC, which runs a 512-bit instruction as two 256-bit halves, the 8-row tile won up to
+ * 7-14 rows (two to five rows' forwards 13-22 % faster), while prompt chunks still gained from
+ * the 16-row tile. So it is measured at load (tiles.py). The bits are the same either way. */
 SL_INTERNAL extern int sl_narrow_rows;
 static inline int64_t x8_span(int64_t M) { return SL_AVX512_VNNI && M > sl_narrow_rows ? 2 : 1; }
 

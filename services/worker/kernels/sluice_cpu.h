@@ -167,7 +167,7 @@ int sl_vectorized(void);
 const char *sl_isa(void);
 /* The interleaved GEMMs take 8 weight rows per tile up to this many activation rows and 16 (on
  * 512-bit vectors) past it; at least 1, the default. Only speed differs, never the bits. Set
- * once, before the GEMMs run (Kernels.tune_tiles measures it). */
+ * once, before the GEMMs run (the loader measures it: tiles.py). */
 void sl_set_narrow_rows(int rows);
 /* sizeof the struct of that name ("sl_linear", "sl_block_q4_0", ...), -1 for an unknown name. */
 int64_t sl_sizeof(const char *name);

@@ -7,9 +7,9 @@ Zen 4 EPYC (a 512-bit instruction runs as two 256-bit halves), with the weights 
 memory as a forward reads them, the 8-row tile ran a 3072 x 576 GEMM 1.2-1.5x as fast for 2 to
 9 rows (40 us against 58 for two rows) and the 16-row one won from 16 rows on (426 us against
 534 for 64); SmolLM2's whole forward after 1,000 cached tokens took 5.5 ms against 6.8 for two
-rows and 7.9 against 9.2 for five. On a Cascade Lake Xeon the 16-row tile won from two rows. So
-the crossover is measured when the kernels load and set with ``sl_set_narrow_rows``. Both tiles
-give the same bits: only speed depends on the measurement.
+rows and 7.9 against 9.2 for five. On a Cascade Lake Xeon the 16-row tile ran four to eight
+rows' steps 1.14-1.33x as fast. So the crossover is measured when the kernels load and set with
+``sl_set_narrow_rows``. Both tiles give the same bits: only speed depends on the measurement.
 
 The weights are cycled through a buffer several times the last-level cache: from a cache-resident
 matrix the 16-row tile won at every row count on that EPYC too (17 us against 22 for two rows).
