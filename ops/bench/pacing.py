@@ -20,7 +20,9 @@ the speculative bench, which runs its workloads in that order on one worker.
 
 Rounds alternate the modes' order (forwards, then backwards). Prints, per mode, the median
 tokens/s (``ops.bench.speculative.run``'s measure), its ratio to the "off" median, each
-round's rate and (draft tokens, accepted) per run; every run's output must equal the first's::
+round's rate and (draft tokens, accepted) per run, and the median of each round's ratio to its
+"off" run (``paired_vs_off``: spared the drift between rounds); every run's output must equal
+the first's::
 
     .venv/bin/python -m ops.bench.pacing --workload code_edit --concurrency 4 --rounds 6 \\
         --modes off pacer fixed:2 baseline --baseline /tmp/old/draft_pacing.py
@@ -89,6 +91,11 @@ def speculator(mode: str, args: argparse.Namespace) -> Speculator | None:
     return spec
 
 
+def paired(rates: list[float], off: list[float]) -> list[float]:
+    """Each round's rate over the same round's "off" rate."""
+    return [x / o for x, o in zip(rates, off, strict=True)]
+
+
 async def bench(args: argparse.Namespace) -> None:
     """Run every mode ``args.rounds`` times on the same jobs and print each mode's summary."""
     b = TorchBackend.load(
@@ -135,6 +142,11 @@ async def bench(args: argparse.Namespace) -> None:
                     "mode": mode,
                     "median_tok_s": round(median, 1),
                     "vs_off": round(median / off, 3) if off else None,
+                    # rounds ran the modes back to back: the median of each round's ratio is
+                    # spared the drift between rounds that the ratio of medians is not
+                    "paired_vs_off": round(statistics.median(paired(rates[mode], rates["off"])), 3)
+                    if off
+                    else None,
                     "runs": [round(x, 1) for x in rates[mode]],
                     "drafted_accepted": drafted[mode],
                 }
