@@ -67,17 +67,31 @@ def reference(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     return []
 
 
+@pytest.mark.parametrize("scan", [NgramIndex.SCAN, 0])  # a pair's ends one by one, or in numpy
 @pytest.mark.parametrize(("max_n", "min_n"), [(4, 1), (3, 2), (1, 1)])
-def test_random_lists_get_what_the_rule_says(max_n: int, min_n: int) -> None:
+def test_random_lists_get_what_the_rule_says(max_n: int, min_n: int, scan: int) -> None:
     rng = random.Random(max_n * 10 + min_n)
     for _ in range(40):
         alphabet = rng.randint(2, 12)  # few symbols: long and short matches, and none
         tokens: list[int] = []
         index = NgramIndex(max_n, min_n)
+        index.SCAN = scan
         for _ in range(rng.randint(1, 90)):
             tokens.append(rng.randrange(alphabet))
             k = rng.randint(0, 5)
             assert index.propose(tokens, k) == reference(tokens, k, max_n, min_n), tokens
+
+
+def test_a_pair_seen_often_is_searched_alike_either_way() -> None:
+    """A pair recurring more than ``SCAN`` times, mostly with other tokens before it: the
+    vectorized search finds the one longer match the scan would, and keeps up as tokens grow."""
+    tokens = [t for i in range(200) for t in (1000 + i, 5, 6)] + [7, 8, 5, 6, 9, 7, 8, 5, 6]
+    scanned, vectorized = NgramIndex(), NgramIndex()
+    scanned.SCAN, vectorized.SCAN = len(tokens), 0
+    for end in range(2, len(tokens) + 1):
+        want = reference(tokens[:end], 3, 4, 1)
+        assert scanned.propose(tokens[:end], 3) == vectorized.propose(tokens[:end], 3) == want
+    assert vectorized.matched == 4 and vectorized.propose(tokens, 3) == [9, 7, 8]
 
 
 def test_bad_lengths_are_refused() -> None:
