@@ -96,14 +96,11 @@ class StepCost:
 
     Learns from whole decode steps (the forward and the token choice after it). What draft rows
     add is neither linear nor the same everywhere, so it is kept per draft-row count, not as
-    one cost per row: on an AVX2 EPYC (2 cores, four streams after 900 tokens, 15.0 ms a step)
-    the first draft row added 4.4 ms and the next three 2.4, 2.5 and 1.9 (the GEMMs run four
-    activation rows per weight pass, so a fifth row pays a pass of its own), while beside one
-    row on an AMX Xeon the first is the cheapest (5.5, 7.0, 8.1 ms for 1, 2, 3 rows: reading
-    the weights bounds one row). A per-row average, learned mostly from steps with a row or two,
-    priced every row as the dear first and kept a four-stream code edit from drafting at all in
-    some runs (4 to 560 draft tokens verified in runs of the same jobs, 1.03x the plain rate
-    against 1.19x for a fixed two-token draft; with this model 1.16x, 509-600 in every run).
+    one cost per row: on an AVX2 EPYC (four streams after 900 tokens, 15.0 ms a step) the first
+    draft row added 4.4 ms and the next three 2.4, 2.5 and 1.9 (a fifth row pays a weight pass
+    of its own), while beside one row on an AMX Xeon the first is the cheapest. A per-row
+    average priced every row as the dear first and kept a four-stream code edit from drafting
+    at all in some runs (1.03x the plain rate against 1.16x with this model).
     Until a row count's steps are measured, the prior stands: ``BASE + rows`` units, a unit
     per draft row (the CPU kernels' on an AMX Xeon, ops/bench/row_cost.py, in units of the
     dearest row).
@@ -135,25 +132,40 @@ class StepCost:
         self.since: dict[int, int] = {}  # by rows: plain steps since the last drafted one
         self.stale: dict[int, int] = {}  # by rows: plain steps after which ``added`` is forgotten
         self.drafted: dict[int, int] = {}  # by rows: drafted steps since the last plain one
-        # by rows, until the next step is observed: a step asks once per sequence (``hopeless``)
-        self.priced: dict[int, Price] = {}
+        # Derived, kept until what they derive from changes: a step asks for its price once
+        # per sequence (``hopeless``), and each step changes one of the medians (~30 us a step
+        # recomputed, in Python, on a 2-core EPYC)
+        self.priced: dict[int, Price] = {}  # by rows
+        self.medians: dict[int, float] = {}  # by rows: the plain steps' median
+        self.curves: dict[int, list[tuple[int, float]]] = {}  # by rows: ``_rising(added)``
 
     def observe(self, seconds: float, rows: int, drafted: int) -> None:
         """Learn from a decode step of ``rows`` rows and ``drafted`` draft rows."""
-        self.priced.clear()
         if not drafted:
             self.plain.setdefault(rows, deque(maxlen=self.KEEP)).append(seconds)
+            self.medians.pop(rows, None)
+            self.priced.pop(rows, None)
             self.drafted[rows] = 0
             self.since[rows] = self.since.get(rows, 0) + 1
             stale = self.stale.get(rows, self.STALE)
             if self.since[rows] > stale and self.added.pop(rows, None) is not None:
                 self.stale[rows] = min(2 * stale, self.MAX_STALE)
+                self.curves.pop(rows, None)
+                self.priced.clear()  # other counts may have borrowed what it added
         elif rows in self.plain:
-            added = max(seconds - median(self.plain[rows]), 0.0)
+            added = max(seconds - self._median(rows), 0.0)
             by_count = self.added.setdefault(rows, {})
             by_count.setdefault(drafted, deque(maxlen=self.KEEP)).append(added)
+            self.curves.pop(rows, None)
+            self.priced.clear()
             self.since[rows] = 0
             self.drafted[rows] = self.drafted.get(rows, 0) + 1
+
+    def _median(self, rows: int) -> float:
+        """The median of the latest plain steps of ``rows`` rows."""
+        if rows not in self.medians:
+            self.medians[rows] = median(self.plain[rows])
+        return self.medians[rows]
 
     def refresh(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows should be plain, to measure one (``REFRESH``)."""
@@ -175,13 +187,15 @@ class StepCost:
     def _price(self, rows: int) -> Price:
         if rows not in self.plain:
             return Price(self.BASE + rows, ((0, 0.0), (1, 1.0)))
-        plain = median(self.plain[rows])
+        plain = self._median(rows)
         measured = rows if rows in self.added else None
         if measured is None and self.added:
             measured = min(self.added, key=lambda r: (abs(r - rows), -r))
         if measured is None:
             return Price(plain, ((0, 0.0), (1, plain / (self.BASE + rows))))
-        return Price(plain, ((0, 0.0), *_rising(self.added[measured])))
+        if measured not in self.curves:
+            self.curves[measured] = _rising(self.added[measured])
+        return Price(plain, ((0, 0.0), *self.curves[measured]))
 
 
 def _rising(added: dict[int, deque[float]]) -> list[tuple[int, float]]:
@@ -259,10 +273,10 @@ class DraftPacer:
         sequence and step. Every length's shared estimate then drifts as an unused offer's
         does."""
         price = self.cost.price(rows)
-        cheapest = price.cheapest_row
-        for n in range(1, len(self.shared)):
-            a = self.chance(record, n)
-            if a * price.plain > (1 + self.MARGIN) * tokens * cheapest:
+        limit = (1 + self.MARGIN) * tokens * price.cheapest_row
+        mine, shared = record.estimates, self.shared  # ``chance``, inlined: asked every step
+        for n in range(1, len(shared)):
+            if mine.get(n, shared[n]) * price.plain > limit:
                 return False
         for n in range(1, len(self.shared)):
             self._unused(n)

@@ -5,6 +5,8 @@ a step, as measured."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.worker.draft_pacing import DraftPacer, DraftRecord, Price, StepCost
@@ -242,6 +244,23 @@ def test_a_row_cost_not_measured_for_a_hundred_plain_steps_is_forgotten() -> Non
             plain += 1
         waits.append(plain)
     assert waits == [201, 401, 801, 1601]
+
+
+def test_prices_kept_between_steps_are_what_the_steps_measured_say() -> None:
+    """The medians, curves and prices kept between steps are dropped whenever what they derive
+    from changes: after every step of a random mix (counts drafted, borrowed, forgotten), each
+    count's price equals one derived afresh."""
+    rng = random.Random(7)
+    cost = StepCost()
+    cost.STALE = cost.MAX_STALE = 6  # forgetting, too, within the run
+    for _ in range(3000):
+        rows = rng.randint(1, 6)
+        drafted = rng.choice([0, 0, 0, rng.randint(1, 8)])
+        cost.observe(rng.uniform(0.004, 0.02) * rows, rows=rows, drafted=drafted)
+        for r in rng.sample(range(1, 8), 3):
+            kept = cost.price(r)
+            cost.priced, cost.medians, cost.curves = {}, {}, {}
+            assert cost.price(r) == kept
 
 
 def test_a_row_count_never_drafted_takes_the_nearest_measured_row_cost() -> None:
