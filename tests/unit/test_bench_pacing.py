@@ -1,5 +1,6 @@
 """``ops/bench/pacing.py``'s modes without a model: a fixed pacer verifies every offered draft
-up to its length, and a baseline pacer comes from another checkout's file."""
+up to its length, a baseline pacer comes from another checkout's file, and paired ratios set
+each round against its own "off" run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.bench.pacing import FixedPacer, baseline_pacer, speculator
+from ops.bench.pacing import FixedPacer, baseline_pacer, paired, speculator
 from services.worker import draft_pacing
 from services.worker.draft_pacing import DraftRecord
 
@@ -37,3 +38,9 @@ def test_a_baseline_pacer_is_the_class_in_the_file_given(tmp_path: Path) -> None
     assert longer is not None and longer.k == 8 and type(longer.pacer) is draft_pacing.DraftPacer
     with pytest.raises(SystemExit):
         speculator("baseline", argparse.Namespace(k=4, baseline=None))
+
+
+def test_paired_ratios_set_each_round_against_its_own_off_run() -> None:
+    assert paired([110.0, 90.0, 210.0], [100.0, 100.0, 200.0]) == pytest.approx([1.1, 0.9, 1.05])
+    with pytest.raises(ValueError, match="shorter"):  # a round without its "off" run: a bug
+        paired([1.0, 2.0], [1.0])
