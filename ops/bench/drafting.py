@@ -5,7 +5,7 @@ real context) ending with a file of ~2,500 characters, the code-edit workload of
 ``speculative.py``; its "output" then copies the file back one token a step, and each step asks
 the index for a ``--k``-token draft, as the speculator does. Prints one JSON object per prompt
 length: the first draft's time (it takes in the whole prompt), the later drafts' median and p99,
-the index's memory after the prompt (tracemalloc, in a separate pass: tracing slows numpy) and
+the index's memory after the prompt (tracemalloc, in a separate pass: tracing slows the index) and
 how many drafts equal what the copy goes on with:
 
     .venv/bin/python -m ops.bench.drafting --prompt 700 8000
