@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from services.worker.draft_pacing import DraftPacer, DraftRecord, Price, StepCost
+from services.worker.draft_pacing import DraftPacer, DraftRecord
+from services.worker.step_cost import Price, StepCost
 
 
 def decode_step(pacer: DraftPacer, offers: list[tuple[DraftRecord, int, int]]) -> list[int]:

@@ -24,10 +24,10 @@ import torch
 
 from services.worker import kernels
 from services.worker.block_pool import chain_hashes
-from services.worker.draft_pacing import Price, StepCost
 from services.worker.loaders import load_model
 from services.worker.models.kernel_llama import QuantizedLlama
 from services.worker.speculation import SpecStats, Speculator
+from services.worker.step_cost import Price, StepCost
 from services.worker.torch_backend import TorchBackend
 from shared.events import AnyEvent, Finish, TextDelta
 from shared.jobs import GenerateRequest, Job, Message, SamplingParams, TextPart
